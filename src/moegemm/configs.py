@@ -1,0 +1,104 @@
+"""Tile configurations, kept as data.
+
+``TABLE`` maps (op, target) to an ordered list of (config, why). The first entry is the default;
+the rest are the autotune candidates. Tuned choices per shape bucket live in the committed cache
+``configs/<device>.json`` (written by ``python -m moegemm.bench --tune``) and win over the default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True)
+class MGroupedConfig:
+    """Output tile BLOCK_M x BLOCK_N, reduction step BLOCK_K, GROUP_M row tiles per swizzle band."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class KGroupedConfig:
+    """Output tile BLOCK_K x BLOCK_N of out[g], reduction over tokens in steps of BLOCK_R."""
+
+    block_k: int
+    block_n: int
+    block_r: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+M, K = MGroupedConfig, KGroupedConfig
+TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
+    ("m_grouped", "interpret"): [
+        (M(32, 32, 32, 4, 4, 1), "interpreter: small tiles keep numpy work per step low"),
+    ],
+    ("k_grouped", "interpret"): [
+        (K(32, 32, 32, 4, 4, 1), "interpreter: small tiles keep numpy work per step low"),
+    ],
+    ("m_grouped", "sm90"): [
+        (M(128, 256, 64, 8, 8, 3), "anchor: 697 TF/s dense; 4 stages exceed 232 KB smem"),
+        (M(128, 128, 64, 8, 4, 4), "fewer padded rows per group; 657 TF/s dense"),
+        (M(64, 256, 64, 8, 4, 4), "many-expert shapes: ~128 rows/group wastes less of a 64-row tile"),
+        (M(128, 128, 64, 16, 8, 4), "wider swizzle band for weight reuse"),
+        (M(64, 128, 64, 8, 4, 4), "small groups, fine-grained experts"),
+    ],
+    ("k_grouped", "sm90"): [
+        (K(128, 256, 64, 8, 8, 3), "large K x N per expert"),
+        (K(128, 128, 64, 8, 4, 4), "more tiles when G x tiles is below the SM count"),
+        (K(128, 128, 128, 8, 8, 3), "deeper reduction step, fewer loop iterations"),
+        (K(64, 128, 64, 8, 4, 4), "small experts"),
+    ],
+    ("m_grouped", "cuda"): [(M(64, 64, 32, 8, 4, 2), "pre-Hopper fallback, untuned")],
+    ("k_grouped", "cuda"): [(K(64, 64, 32, 8, 4, 2), "pre-Hopper fallback, untuned")],
+}
+del M, K
+
+CACHE_DIR = Path(__file__).parent / "configs"
+
+
+def candidates(op: str, target: str) -> list:
+    return [cfg for cfg, _why in TABLE[(op, target)]]
+
+
+def rows_bucket(M: int, G: int) -> int:
+    """Power-of-two bucket of the mean rows per group, the quantity that decides tile height."""
+    mean = max(1, M // max(G, 1))
+    return 1 << (mean.bit_length() - 1)
+
+
+def cache_key(op: str, dtype: str, G: int, N: int, K: int, M: int) -> str:
+    return f"{op}|{dtype}|G{G}|N{N}|K{K}|r{rows_bucket(M, G)}"
+
+
+@functools.lru_cache(maxsize=8)
+def load_cache(device_name: str) -> dict[str, dict]:
+    path = CACHE_DIR / f"{device_slug(device_name)}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def device_slug(device_name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
+
+
+def pick_config(op: str, target: str, *, device_name: str = "", dtype: str = "", G=0, N=0, K=0, M=0):
+    """The tuned config for this shape bucket if the committed cache has one, else the table default."""
+    config = TABLE[(op, target)][0][0]
+    if target != "interpret" and device_name:
+        hit = load_cache(device_name).get(cache_key(op, dtype, G, N, K, M))
+        if hit is not None:
+            config = (MGroupedConfig if op == "m_grouped" else KGroupedConfig)(**hit)
+    if dtype == "float32" and target != "interpret":
+        # 4-byte operands double the shared memory per stage; halve the reduction step to fit.
+        field = "block_k" if op == "m_grouped" else "block_r"
+        config = dataclasses.replace(config, **{field: max(16, getattr(config, field) // 2)})
+    return config

@@ -1,0 +1,100 @@
+"""k-grouped GEMM kernel (weight gradient): ``for g: out[g] (+)= a[rows(g)]^T @ b[rows(g)]``.
+
+Shapes: a [M, K], b [M, N] (any strides), group_sizes [G] on the device, out [G, K, N] fp32 or
+bf16/fp16. A group with no rows writes exact zeros, or leaves out[g] untouched when accumulating.
+
+Persistent kernel over the static tile space G x cdiv(K, BLOCK_K) x cdiv(N, BLOCK_N), group-major
+so that the programs running together share one group's rows of a and b in L2. The reduction runs
+over that group's rows in steps of BLOCK_R.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import triton
+import triton.language as tl
+
+from moegemm.kernels.schedule import group_row_bounds, pick, swizzle_tile
+
+
+@triton.jit
+def k_grouped_mm_kernel(
+    a_ptr, b_ptr, group_sizes_ptr, c_ptr,
+    M, N, K, G,
+    stride_am, stride_ak,
+    stride_bm, stride_bn,
+    stride_og, stride_ok, stride_on,
+    out_ptr,  # outputs come after every input and scalar (jax-triton's calling convention)
+    NUM_PROGRAMS: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_G: tl.constexpr,
+    ACCUMULATE: tl.constexpr,  # out = c + a^T b instead of a^T b
+    UPCAST: tl.constexpr,  # interpreter only: its tl.dot is wrong on bf16 operands
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    offs, starts, ends = group_row_bounds(group_sizes_ptr, G, M, BLOCK_G)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    tiles_per_group = k_tiles * n_tiles
+    offs_k0 = tl.arange(0, BLOCK_K)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    for tile in range(pid, G * tiles_per_group, NUM_PROGRAMS):
+        g = tile // tiles_per_group
+        k_tile, n_tile = swizzle_tile(tile % tiles_per_group, k_tiles, n_tiles, GROUP_M)
+        row_start = pick(starts, offs, g)
+        row_end = pick(ends, offs, g)
+        ks = k_tile * BLOCK_K + offs_k0
+        cols = n_tile * BLOCK_N + offs_n0
+        k_mask = ks < K
+        col_mask = cols < N
+
+        a_ptrs = a_ptr + (row_start + offs_r)[None, :] * stride_am + ks[:, None].to(tl.int64) * stride_ak
+        b_ptrs = b_ptr + (row_start + offs_r)[:, None] * stride_bm + cols[None, :].to(tl.int64) * stride_bn
+        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        for r in range(row_start, row_end, BLOCK_R):
+            r_mask = offs_r < row_end - r
+            a = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=r_mask[:, None] & col_mask[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            a_ptrs += BLOCK_R * stride_am
+            b_ptrs += BLOCK_R * stride_bm
+
+        out_offs = (
+            g.to(tl.int64) * stride_og
+            + ks[:, None].to(tl.int64) * stride_ok + cols[None, :].to(tl.int64) * stride_on
+        )  # fmt: skip
+        out_mask = k_mask[:, None] & col_mask[None, :]
+        if ACCUMULATE:
+            # c shares out's strides; it is out itself in PyTorch and a separate input in JAX.
+            acc += tl.load(c_ptr + out_offs, mask=out_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class KGroupedLaunch:
+    """Grid and meta-parameters of one k_grouped_mm_kernel launch, derived from static shapes only."""
+
+    grid: tuple[int]
+    meta: dict
+
+    @staticmethod
+    def make(M: int, N: int, K: int, G: int, *, config, num_programs_cap: int, fp32_inputs: bool,
+             accumulate: bool, interpret: bool) -> KGroupedLaunch:  # fmt: skip
+        tiles = G * triton.cdiv(K, config.block_k) * triton.cdiv(N, config.block_n)
+        num_programs = max(1, min(tiles, num_programs_cap))
+        meta = dict(
+            NUM_PROGRAMS=num_programs,
+            BLOCK_K=config.block_k, BLOCK_N=config.block_n, BLOCK_R=config.block_r,
+            GROUP_M=config.group_m, BLOCK_G=max(16, triton.next_power_of_2(G)),
+            ACCUMULATE=accumulate,
+            UPCAST=interpret,
+            PRECISION="ieee" if fp32_inputs or interpret else "tf32",
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        return KGroupedLaunch(grid=(num_programs,), meta=meta)

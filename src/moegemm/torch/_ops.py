@@ -1,0 +1,181 @@
+"""torch.library custom ops, fake impls, autograd and kernel launches (the PyTorch glue).
+
+The public, checked entry points are in ``moegemm.torch.api``; these ops assume validated inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import triton
+
+from moegemm import configs
+from moegemm.kernels.k_grouped import KGroupedLaunch, k_grouped_mm_kernel
+from moegemm.kernels.m_grouped import MGroupedLaunch, m_grouped_mm_kernel
+from moegemm.torch import reference
+
+INTERPRET = bool(triton.knobs.runtime.interpret)
+# Programs of a persistent launch under the interpreter: odd and small, so the stride loop is exercised.
+INTERPRET_PROGRAMS = 3
+
+
+@functools.lru_cache(maxsize=None)
+def _device_traits(index: int) -> tuple[str, str, int]:
+    props = torch.cuda.get_device_properties(index)
+    target = "sm90" if (props.major, props.minor) == (9, 0) else "cuda"
+    return target, props.name, props.multi_processor_count
+
+
+def _target(device: torch.device) -> tuple[str, str, int]:
+    if device.type == "cpu":
+        return "interpret", "", INTERPRET_PROGRAMS
+    return _device_traits(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _device_guard(device: torch.device):
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def launch_m_grouped(x, w, group_sizes, out) -> None:
+    M, K = x.shape
+    G, _, N = w.shape
+    if M == 0 or N == 0:
+        return
+    target, device_name, programs = _target(x.device)
+    config = configs.pick_config(
+        "m_grouped", target, device_name=device_name, dtype=_dtype_name(x.dtype), G=G, N=N, K=K, M=M
+    )
+    launch = MGroupedLaunch.make(
+        M, N, K, G, config=config, num_programs_cap=programs,
+        fp32_inputs=x.dtype == torch.float32, interpret=target == "interpret",
+    )  # fmt: skip
+    with _device_guard(x.device):
+        m_grouped_mm_kernel[launch.grid](
+            x, w, group_sizes, M, N, K, G,
+            x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
+            out.stride(0), out.stride(1), out, **launch.meta,
+        )  # fmt: skip
+
+
+def launch_k_grouped(a, b, group_sizes, out, accumulate: bool) -> None:
+    M, K = a.shape
+    N = b.shape[1]
+    G = group_sizes.shape[0]
+    if G == 0 or K == 0 or N == 0:
+        return
+    target, device_name, programs = _target(a.device)
+    config = configs.pick_config(
+        "k_grouped", target, device_name=device_name, dtype=_dtype_name(a.dtype), G=G, N=N, K=K, M=M
+    )
+    launch = KGroupedLaunch.make(
+        M, N, K, G, config=config, num_programs_cap=programs,
+        fp32_inputs=a.dtype == torch.float32, accumulate=accumulate, interpret=target == "interpret",
+    )  # fmt: skip
+    with _device_guard(a.device):
+        k_grouped_mm_kernel[launch.grid](
+            a, b, group_sizes, out, M, N, K, G,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+            out.stride(0), out.stride(1), out.stride(2), out, **launch.meta,
+        )  # fmt: skip
+
+
+# ---------------------------------------------------------------- m_grouped_mm
+
+
+@torch.library.custom_op("moegemm::m_grouped_mm", mutates_args=())
+def m_grouped_mm_op(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, backend: str) -> torch.Tensor:
+    if backend == "reference":
+        return reference.m_grouped_mm_reference(x, w, group_sizes)
+    out = torch.empty(x.shape[0], w.shape[2], dtype=x.dtype, device=x.device)
+    launch_m_grouped(x, w, group_sizes, out)
+    return out
+
+
+@m_grouped_mm_op.register_fake
+def _(x, w, group_sizes, backend):
+    return x.new_empty(x.shape[0], w.shape[2])
+
+
+def _m_grouped_setup(ctx, inputs, output):
+    x, w, group_sizes, backend = inputs
+    ctx.save_for_backward(x, w, group_sizes)
+    ctx.backend = backend
+
+
+def _m_grouped_backward(ctx, grad_out):
+    x, w, group_sizes = ctx.saved_tensors
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[0]:
+        grad_x = m_grouped_mm_op(grad_out, w.mT, group_sizes, ctx.backend)
+    if ctx.needs_input_grad[1]:
+        if w.stride(1) == 1 and w.stride(2) != 1:
+            # w is an nn.Linear-layout weight [G, N, K] seen as [G, K, N]: produce the gradient in
+            # that storage layout (dy^T x), so no transposed copy is made when it reaches the weight.
+            grad_w = k_grouped_mm_op(grad_out, x, group_sizes, w.dtype, ctx.backend).mT
+        else:
+            grad_w = k_grouped_mm_op(x, grad_out, group_sizes, w.dtype, ctx.backend)
+    return grad_x, grad_w, None, None
+
+
+m_grouped_mm_op.register_autograd(_m_grouped_backward, setup_context=_m_grouped_setup)
+
+
+# ---------------------------------------------------------------- k_grouped_mm
+
+
+@torch.library.custom_op("moegemm::k_grouped_mm", mutates_args=())
+def k_grouped_mm_op(
+    a: torch.Tensor, b: torch.Tensor, group_sizes: torch.Tensor, out_dtype: torch.dtype, backend: str
+) -> torch.Tensor:
+    if backend == "reference":
+        return reference.k_grouped_mm_reference(a, b, group_sizes, out_dtype=out_dtype)
+    out = torch.empty(group_sizes.shape[0], a.shape[1], b.shape[1], dtype=out_dtype, device=a.device)
+    launch_k_grouped(a, b, group_sizes, out, accumulate=False)
+    return out
+
+
+@k_grouped_mm_op.register_fake
+def _(a, b, group_sizes, out_dtype, backend):
+    return a.new_empty(group_sizes.shape[0], a.shape[1], b.shape[1], dtype=out_dtype)
+
+
+def _k_grouped_setup(ctx, inputs, output):
+    a, b, group_sizes, _, backend = inputs
+    ctx.save_for_backward(a, b, group_sizes)
+    ctx.backend = backend
+
+
+def _k_grouped_backward(ctx, grad_out):
+    a, b, group_sizes = ctx.saved_tensors
+    grad_a = grad_b = None
+    # out[g] = a_g^T b_g  =>  da_g = b_g dout[g]^T,  db_g = a_g dout[g]
+    if ctx.needs_input_grad[0]:
+        grad_a = m_grouped_mm_op(b, grad_out.to(b.dtype).mT, group_sizes, ctx.backend)
+    if ctx.needs_input_grad[1]:
+        grad_b = m_grouped_mm_op(a, grad_out.to(a.dtype), group_sizes, ctx.backend)
+    return grad_a, grad_b, None, None, None
+
+
+k_grouped_mm_op.register_autograd(_k_grouped_backward, setup_context=_k_grouped_setup)
+
+
+@torch.library.custom_op("moegemm::k_grouped_mm_out", mutates_args=("out",))
+def k_grouped_mm_out_op(
+    a: torch.Tensor, b: torch.Tensor, group_sizes: torch.Tensor, out: torch.Tensor, accumulate: bool,
+    backend: str,
+) -> None:  # fmt: skip
+    if backend == "reference":
+        reference.k_grouped_mm_reference(a, b, group_sizes, out=out, accumulate=accumulate)
+        return
+    launch_k_grouped(a, b, group_sizes, out, accumulate=accumulate)
+
+
+@k_grouped_mm_out_op.register_fake
+def _(a, b, group_sizes, out, accumulate, backend):
+    return None

@@ -1,0 +1,148 @@
+"""Public PyTorch entry points: argument checks, group_sizes placement and backend dispatch.
+
+Backends: ``"triton"`` runs the Triton kernels (compiled for CUDA tensors; under the interpreter for
+CPU tensors when ``TRITON_INTERPRET=1`` was set before triton was imported); ``"reference"`` runs the
+plain PyTorch twin; ``"auto"`` picks triton for CUDA tensors and for CPU tensors under the
+interpreter, reference otherwise. An explicit choice that cannot be served raises.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from moegemm.torch import _ops
+
+Backend = Literal["auto", "triton", "reference"]
+GroupSizes = torch.Tensor | Sequence[int]
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" or _ops.INTERPRET else "reference"
+    if backend == "triton" and device.type != "cuda" and not _ops.INTERPRET:
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported; "
+            f"got tensors on {device}"
+        )
+    return backend
+
+
+def as_group_sizes(group_sizes: GroupSizes, G: int | None, device: torch.device) -> torch.Tensor:
+    """group_sizes as a 1-D int32/int64 tensor on ``device``; lists go through pinned memory, no sync."""
+    if not isinstance(group_sizes, torch.Tensor):
+        values = list(group_sizes)
+        group_sizes = torch.tensor(values, dtype=torch.int32, pin_memory=device.type == "cuda")
+    if group_sizes.dtype not in INDEX_DTYPES:
+        raise TypeError(f"group_sizes must be int32 or int64, got {group_sizes.dtype}")
+    if group_sizes.dim() != 1:
+        raise ValueError(f"group_sizes must be 1-D [G], got shape {tuple(group_sizes.shape)}")
+    if G is not None and group_sizes.shape[0] != G:
+        raise ValueError(f"group_sizes has {group_sizes.shape[0]} entries but the weight has G={G} groups")
+    if group_sizes.device != device:
+        group_sizes = group_sizes.to(device, non_blocking=True)
+    return group_sizes if group_sizes.is_contiguous() else group_sizes.contiguous()
+
+
+def _check_float(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be bfloat16, float16 or float32, got {t.dtype}")
+
+
+def _check_same(names: str, *tensors: torch.Tensor) -> None:
+    if len({t.dtype for t in tensors}) > 1:
+        raise TypeError(f"{names} must share a dtype, got {[t.dtype for t in tensors]}")
+    if len({t.device for t in tensors}) > 1:
+        raise ValueError(f"{names} must be on one device, got {[str(t.device) for t in tensors]}")
+
+
+def checks_enabled(check: bool | None) -> bool:
+    return check if check is not None else os.environ.get("MOEGEMM_CHECK", "0") not in ("", "0")
+
+
+def check_group_sizes_values(group_sizes: torch.Tensor, M: int) -> None:
+    """The syncing check: every size >= 0 and sum <= M. Raises ValueError with the values."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("check=True syncs the host and cannot run inside CUDA graph capture")
+    sizes = group_sizes.tolist()
+    negative = [(g, s) for g, s in enumerate(sizes) if s < 0]
+    if negative:
+        raise ValueError(f"group_sizes has negative entries (group, size): {negative[:8]}")
+    if sum(sizes) > M:
+        raise ValueError(f"sum(group_sizes) = {sum(sizes)} exceeds the {M} rows of the input; sizes={sizes}")
+
+
+def m_grouped_mm(
+    x: torch.Tensor, w: torch.Tensor, group_sizes: GroupSizes, *,
+    check: bool | None = None, backend: Backend = "auto",
+) -> torch.Tensor:  # fmt: skip
+    """m-grouped GEMM (forward and dgrad): ``for g: out[rows(g)] = x[rows(g)] @ w[g]``.
+
+    x [M, K] and w [G, K, N] in bf16/fp16/fp32 (one dtype), any strides: an nn.Linear-layout weight
+    [G, N, K] is passed as ``w.mT``. group_sizes [G] int32/int64 (device tensor, CPU tensor or list);
+    rows(g) = [offset_g, offset_g + size_g), offset = exclusive prefix sum. Returns out [M, N] in x's
+    dtype, fp32 accumulation; rows at or past sum(group_sizes) are 0. Differentiable in x and w.
+    ``check=True`` (or MOEGEMM_CHECK=1) syncs to validate sizes >= 0 and sum <= M; without it, bad
+    device-side sizes are clamped (negative -> 0, offsets -> M), never read or written out of bounds.
+    """
+    _check_float("x", x)
+    _check_float("w", w)
+    _check_same("x and w", x, w)
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[1]:
+        raise ValueError(
+            f"m_grouped_mm expects x [M, K] and w [G, K, N] with matching K; got x {tuple(x.shape)}, "
+            f"w {tuple(w.shape)} (pass an nn.Linear-layout weight [G, N, K] as w.mT)"
+        )
+    group_sizes = as_group_sizes(group_sizes, w.shape[0], x.device)
+    if checks_enabled(check):
+        check_group_sizes_values(group_sizes, x.shape[0])
+    return _ops.m_grouped_mm_op(x, w, group_sizes, resolve_backend(backend, x.device))
+
+
+def k_grouped_mm(
+    a: torch.Tensor, b: torch.Tensor, group_sizes: GroupSizes, *,
+    out: torch.Tensor | None = None, accumulate: bool = False, out_dtype: torch.dtype = torch.float32,
+    check: bool | None = None, backend: Backend = "auto",
+) -> torch.Tensor:  # fmt: skip
+    """k-grouped GEMM (weight gradient): ``for g: out[g] (+)= a[rows(g)]^T @ b[rows(g)]``.
+
+    a [M, K] and b [M, N] in one float dtype, any strides; group_sizes [G] as in m_grouped_mm.
+    Returns out [G, K, N] in ``out_dtype`` (fp32 default, bf16/fp16 allowed), fp32 accumulation.
+    A group with no rows gives exact zeros. ``out=`` writes into a given [G, K, N] tensor;
+    ``accumulate=True`` adds into it instead (fp32 only: the Megatron main_grad convention) and
+    leaves out[g] of an empty group unchanged. Differentiable in a and b when out is None.
+    """
+    _check_float("a", a)
+    _check_float("b", b)
+    _check_same("a and b", a, b)
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0]:
+        raise ValueError(
+            f"k_grouped_mm expects a [M, K] and b [M, N] with the same M; got a {tuple(a.shape)}, "
+            f"b {tuple(b.shape)}"
+        )
+    group_sizes = as_group_sizes(group_sizes, None, a.device)
+    G, K, N = group_sizes.shape[0], a.shape[1], b.shape[1]
+    if checks_enabled(check):
+        check_group_sizes_values(group_sizes, a.shape[0])
+    backend = resolve_backend(backend, a.device)
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True needs out=, the fp32 buffer to accumulate into")
+        if out_dtype not in FLOAT_DTYPES:
+            raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+        return _ops.k_grouped_mm_op(a, b, group_sizes, out_dtype, backend)
+    if tuple(out.shape) != (G, K, N):
+        raise ValueError(f"out must have shape [G, K, N] = {(G, K, N)}, got {tuple(out.shape)}")
+    if out.device != a.device:
+        raise ValueError(f"out is on {out.device} but a and b are on {a.device}")
+    if out.dtype not in FLOAT_DTYPES or (accumulate and out.dtype != torch.float32):
+        raise TypeError(f"out must be float32 to accumulate (bf16/fp16 allowed otherwise), got {out.dtype}")
+    _ops.k_grouped_mm_out_op(a, b, group_sizes, out, accumulate, backend)
+    return out

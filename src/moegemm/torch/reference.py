@@ -1,0 +1,50 @@
+"""Plain PyTorch twins of the kernels: the test oracle and the CPU fallback.
+
+They implement the kernels' exact semantics, clamping included: sizes are clamped to [0, M],
+offsets are prefix sums clamped at M, and rows past sum(group_sizes) belong to no group.
+They sync (group_sizes.tolist()), which is fine for an oracle and for CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def group_bounds(group_sizes: torch.Tensor, M: int) -> list[tuple[int, int]]:
+    """[(start_g, end_g)] under the kernels' clamping rules. group_sizes=[3, 0, 4], M=10 -> [(0,3),(3,3),(3,7)]."""
+    bounds, end = [], 0
+    for size in group_sizes.tolist():
+        size = min(max(int(size), 0), M)
+        bounds.append((min(end, M), min(end + size, M)))
+        end += size
+    return bounds
+
+
+def m_grouped_mm_reference(
+    x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, *,
+    out_dtype: torch.dtype | None = None, compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:  # fmt: skip
+    """x [M, K], w [G, K, N] -> out [M, N]; for g: out[rows(g)] = x[rows(g)] @ w[g]; unowned rows 0."""
+    out = torch.zeros(x.shape[0], w.shape[-1], dtype=compute_dtype, device=x.device)
+    for g, (start, end) in enumerate(group_bounds(group_sizes, x.shape[0])):
+        if end > start:
+            out[start:end] = x[start:end].to(compute_dtype) @ w[g].to(compute_dtype)
+    return out.to(out_dtype or x.dtype)
+
+
+def k_grouped_mm_reference(
+    a: torch.Tensor, b: torch.Tensor, group_sizes: torch.Tensor, *,
+    out: torch.Tensor | None = None, accumulate: bool = False,
+    out_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:  # fmt: skip
+    """a [M, K], b [M, N] -> out [G, K, N]; for g: out[g] (+)= a[rows(g)]^T @ b[rows(g)]."""
+    G = group_sizes.shape[0]
+    result = torch.zeros(G, a.shape[1], b.shape[1], dtype=compute_dtype, device=a.device)
+    for g, (start, end) in enumerate(group_bounds(group_sizes, a.shape[0])):
+        result[g] = a[start:end].to(compute_dtype).T @ b[start:end].to(compute_dtype)
+    if accumulate:
+        result += out.to(compute_dtype)
+    if out is None:
+        return result.to(out_dtype)
+    out.copy_(result)
+    return out
