@@ -17,6 +17,8 @@ from moegemm.kernels.m_grouped import MGroupedLaunch, m_grouped_mm_kernel
 from moegemm.torch import reference
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
+# Every output buffer comes from here, so tests can poison it with NaN (tests/conftest.py).
+empty = torch.empty
 # Programs of a persistent launch under the interpreter: odd and small, so the stride loop is exercised.
 INTERPRET_PROGRAMS = 3
 
@@ -92,7 +94,7 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool) -> None:
 def m_grouped_mm_op(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, backend: str) -> torch.Tensor:
     if backend == "reference":
         return reference.m_grouped_mm_reference(x, w, group_sizes)
-    out = torch.empty(x.shape[0], w.shape[2], dtype=x.dtype, device=x.device)
+    out = empty(x.shape[0], w.shape[2], dtype=x.dtype, device=x.device)
     launch_m_grouped(x, w, group_sizes, out)
     return out
 
@@ -135,7 +137,7 @@ def k_grouped_mm_op(
 ) -> torch.Tensor:
     if backend == "reference":
         return reference.k_grouped_mm_reference(a, b, group_sizes, out_dtype=out_dtype)
-    out = torch.empty(group_sizes.shape[0], a.shape[1], b.shape[1], dtype=out_dtype, device=a.device)
+    out = empty(group_sizes.shape[0], a.shape[1], b.shape[1], dtype=out_dtype, device=a.device)
     launch_k_grouped(a, b, group_sizes, out, accumulate=False)
     return out
 
