@@ -23,7 +23,7 @@ empty = torch.empty
 INTERPRET_PROGRAMS = 3
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_traits(index: int) -> tuple[str, str, int]:
     props = torch.cuda.get_device_properties(index)
     target = "sm90" if (props.major, props.minor) == (9, 0) else "cuda"

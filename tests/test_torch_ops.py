@@ -1,0 +1,157 @@
+"""PyTorch glue: autograd, torch.compile, group_sizes forms, bad input and the syncing check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE
+
+from moegemm.testing import assert_rel_close
+from moegemm.torch import k_grouped_mm, m_grouped_mm
+from moegemm.torch.api import resolve_backend
+
+SIZES = [9, 0, 14, 6]  # sum 29 < M: rows 29..32 are unowned
+
+
+def per_group_loop(x, w, sizes):
+    """torch autograd oracle: a loop of matmuls over host-side splits; unowned rows 0."""
+    outs, start = [], 0
+    for g, s in enumerate(sizes):
+        outs.append(x[start : start + s] @ w[g])
+        start += s
+    outs.append(x[start:].new_zeros(x.shape[0] - start, w.shape[2]) + 0 * x[start:, :1])
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("layout", ["nn-linear", "k-major"])
+def test_m_grouped_autograd_matches_loop(backend, layout):
+    M, K, N = 33, 20, 12
+    x = torch.randn(M, K, device=DEVICE, requires_grad=True)
+    if layout == "nn-linear":
+        storage = torch.randn(len(SIZES), N, K, device=DEVICE, requires_grad=True)
+        w = storage.mT
+    else:
+        storage = w = torch.randn(len(SIZES), K, N, device=DEVICE, requires_grad=True)
+    dy = torch.randn(M, N, device=DEVICE)
+    gs = torch.tensor(SIZES, device=DEVICE)
+    out = m_grouped_mm(x, w, gs, backend=backend)
+    gx, gw = torch.autograd.grad(out, (x, storage), dy)
+    x64, s64 = x.detach().double().requires_grad_(), storage.detach().double().requires_grad_()
+    w64 = s64.mT if layout == "nn-linear" else s64
+    ref = per_group_loop(x64, w64, SIZES)
+    rx, rw = torch.autograd.grad(ref, (x64, s64), dy.double())
+    assert_rel_close(out.detach().cpu(), ref.detach().cpu(), torch.float32, what="out")
+    assert_rel_close(gx.cpu(), rx.cpu(), torch.float32, what="dx")
+    assert_rel_close(gw.cpu(), rw.cpu(), torch.float32, what="dw")
+    assert gw.shape == storage.shape
+    assert torch.equal(gw[1], torch.zeros_like(gw[1])), "empty group must get an exactly zero weight gradient"
+    assert torch.equal(gx[29:], torch.zeros_like(gx[29:])), "unowned rows must get zero input gradient"
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_k_grouped_autograd(backend):
+    M, K, N = 31, 10, 12
+    a = torch.randn(M, K, device=DEVICE, requires_grad=True)
+    b = torch.randn(M, N, device=DEVICE, requires_grad=True)
+    gs = torch.tensor([10, 0, 15], device=DEVICE)
+    out = k_grouped_mm(a, b, gs, backend=backend)
+    dout = torch.randn_like(out)
+    ga, gb = torch.autograd.grad(out, (a, b), dout)
+    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    ref = torch.stack([a64[:10].T @ b64[:10], a64[:0].T @ b64[:0], a64[10:25].T @ b64[10:25]])
+    ra, rb = torch.autograd.grad(ref, (a64, b64), dout.double())
+    assert_rel_close(ga.cpu(), ra.cpu(), torch.float32, what="da")
+    assert_rel_close(gb.cpu(), rb.cpu(), torch.float32, what="db")
+
+
+def test_torch_compile_fullgraph():
+    M, K, N, G = 40, 16, 24, 3
+    w1 = torch.randn(G, N, K, device=DEVICE, requires_grad=True)
+    w2 = torch.randn(G, K, N, device=DEVICE, requires_grad=True)
+    x = torch.randn(M, K, device=DEVICE, requires_grad=True)
+    gs = torch.tensor([12, 0, 28], device=DEVICE)
+
+    def mlp(x, gs):
+        h = torch.relu(m_grouped_mm(x, w1.mT, gs))
+        return m_grouped_mm(h, w2.mT, gs).square().sum() + k_grouped_mm(x, h, gs).sum()
+
+    compiled = torch.compile(mlp, fullgraph=True, backend="aot_eager")
+    loss = compiled(x, gs)
+    grads = torch.autograd.grad(loss, (x, w1, w2))
+    loss_eager = mlp(x, gs)
+    grads_eager = torch.autograd.grad(loss_eager, (x, w1, w2))
+    assert_rel_close(loss.detach().reshape(1).cpu(), loss_eager.detach().reshape(1).cpu(), torch.float32)
+    for g, ge in zip(grads, grads_eager, strict=True):
+        assert_rel_close(g.cpu(), ge.cpu(), torch.float32)
+
+
+def test_group_sizes_forms_agree():
+    x = torch.randn(20, 8, device=DEVICE)
+    w = torch.randn(2, 8, 8, device=DEVICE)
+    outs = [m_grouped_mm(x, w, gs) for gs in ([5, 15], torch.tensor([5, 15]), torch.tensor([5, 15], device=DEVICE))]
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _mm_args(M=10, K=8, N=6, G=2, dtype=torch.float32):
+    return torch.randn(M, K, dtype=dtype), torch.randn(G, K, N, dtype=dtype), [4, 6]
+
+
+@pytest.mark.parametrize(
+    "mutate,exc,match",
+    [
+        (lambda x, w, gs: (x, torch.randn(2, 9, 6), gs), ValueError, r"x \(10, 8\), w \(2, 9, 6\)"),
+        (lambda x, w, gs: (x[None], w, gs), ValueError, "x \\[M, K\\]"),
+        (lambda x, w, gs: (x, w, [1, 2, 3]), ValueError, "3 entries but the weight has G=2"),
+        (lambda x, w, gs: (x, w, torch.tensor([4.0, 6.0])), TypeError, "int32 or int64, got torch.float32"),
+        (lambda x, w, gs: (x, w, torch.tensor([[4, 6]])), ValueError, r"1-D \[G\], got shape \(1, 2\)"),
+        (lambda x, w, gs: (x.half(), w, gs), TypeError, "share a dtype"),
+        (lambda x, w, gs: (x.to(torch.int32), w, gs), TypeError, "x must be bfloat16, float16 or float32"),
+    ],
+    ids=["k-mismatch", "x-rank", "group-count", "sizes-dtype", "sizes-rank", "mixed-dtype", "int-x"],
+)
+def test_m_grouped_bad_input(mutate, exc, match):
+    with pytest.raises(exc, match=match):
+        m_grouped_mm(*mutate(*_mm_args()))
+
+
+def test_k_grouped_bad_input():
+    a, b = torch.randn(10, 4), torch.randn(10, 5)
+    with pytest.raises(ValueError, match=r"a \(10, 4\), b \(9, 5\)"):
+        k_grouped_mm(a, b[:9], [5, 5])
+    with pytest.raises(ValueError, match=r"\[G, K, N\] = \(2, 4, 5\), got \(2, 5, 4\)"):
+        k_grouped_mm(a, b, [5, 5], out=torch.empty(2, 5, 4))
+    with pytest.raises(TypeError, match="float32 to accumulate"):
+        k_grouped_mm(a, b, [5, 5], out=torch.empty(2, 4, 5, dtype=torch.bfloat16), accumulate=True)
+    with pytest.raises(ValueError, match="accumulate=True needs out="):
+        k_grouped_mm(a, b, [5, 5], accumulate=True)
+    with pytest.raises(TypeError, match="out_dtype must be"):
+        k_grouped_mm(a, b, [5, 5], out_dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "sizes,match",
+    [([4, -1], r"negative entries \(group, size\): \[\(1, -1\)\]"), ([4, 7], "sum\\(group_sizes\\) = 11 exceeds the 10 rows")],
+)
+def test_check_option_reports_values(sizes, match, monkeypatch):
+    x, w, _ = _mm_args()
+    with pytest.raises(ValueError, match=match):
+        m_grouped_mm(x, w, sizes, check=True)
+    with pytest.raises(ValueError, match=match):
+        k_grouped_mm(x, x, sizes, check=True)
+    monkeypatch.setenv("MOEGEMM_CHECK", "1")
+    with pytest.raises(ValueError, match=match):
+        m_grouped_mm(x, w, sizes)
+    monkeypatch.setenv("MOEGEMM_CHECK", "0")
+    m_grouped_mm(x, w, sizes)  # unchecked: clamps, no error
+
+
+def test_backend_choice_is_explicit():
+    with pytest.raises(ValueError, match="backend must be"):
+        resolve_backend("cutlass", torch.device("cpu"))
+    assert resolve_backend("reference", torch.device(DEVICE)) == "reference"
+    assert resolve_backend("auto", torch.device(DEVICE)) == "triton"  # CUDA, or CPU under the interpreter
