@@ -1,0 +1,352 @@
+"""GroupedLinear: G nn.Linear experts over contiguous row groups, one module and one autograd.Function.
+
+Semantics, with rows(g) = [offset_g, offset_g + size_g) and offset = exclusive prefix sum of sizes::
+
+    for g: y[rows(g)] = x[rows(g)] @ weight[g].T + bias[g]      # rows past sum(sizes): y = 0
+    dx[rows(g)] = dy[rows(g)] @ weight[g]                        # m_grouped_mm, weight as stored
+    dweight[g] = dy[rows(g)].T @ x[rows(g)]                      # k_grouped_mm, [G, N, K] storage
+    dbias[g]   = ones[rows(g)].T @ dy[rows(g)]                   # k_grouped_mm with a stride-0 ones
+
+Every step is a moegemm kernel reading group_sizes on the device, so forward and backward never
+sync the host when group_sizes is a CUDA tensor (CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from moegemm.torch import _ops, reference
+from moegemm.torch.api import (
+    FLOAT_DTYPES,
+    Backend,
+    GroupSizes,
+    as_group_sizes,
+    check_group_sizes_values,
+    checks_enabled,
+    resolve_backend,
+)
+
+__all__ = ["GroupedLinear"]
+
+
+@torch.library.custom_op("moegemm::m_grouped_mm_into", mutates_args=("out",))
+def _m_grouped_mm_into(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, out: torch.Tensor,
+                       backend: str) -> None:  # fmt: skip
+    """m_grouped_mm written into a caller's [M, N] buffer (GroupedLinear's ``out=``)."""
+    if backend == "reference":
+        out.copy_(reference.m_grouped_mm_reference(x, w, group_sizes))
+        return
+    _ops.launch_m_grouped(x, w, group_sizes, out)
+
+
+@_m_grouped_mm_into.register_fake
+def _(x, w, group_sizes, out, backend):
+    return None
+
+
+def _ones_column(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """A [rows, 1] column of ones in t's dtype, stride 0 over rows: no [rows] buffer is allocated."""
+    return t.new_ones(1).expand(rows, 1)
+
+
+def _add_bias_rows(y: torch.Tensor, bias: torch.Tensor, group_sizes: torch.Tensor, backend: str) -> None:
+    """y[rows(g)] += bias[g] for owned rows only (tail rows stay 0): ones[M, 1] @ bias[g][None, :]."""
+    y.add_(_ops.m_grouped_mm_op(_ones_column(y, y.shape[0]), bias.unsqueeze(1), group_sizes, backend))
+
+
+def _bias_grad(dy: torch.Tensor, group_sizes: torch.Tensor, dtype: torch.dtype, backend: str) -> torch.Tensor:
+    """dbias [G, N]: for g: dbias[g] = sum(dy[rows(g)], 0); an empty group gives exact zeros."""
+    ones = _ones_column(dy, dy.shape[0])
+    return _ops.k_grouped_mm_op(ones, dy, group_sizes, dtype, backend).squeeze(1)
+
+
+# Megatron/TE convention for fused wgrad accumulation: when the weight has ``grad_added_to_main_grad``,
+# autograd still gets a (dummy) gradient so that the DDP grad hooks fire, and the flag tells them that
+# main_grad already holds the gradient. One cached dummy per (shape, dtype, device), as in TE.
+_DUMMY_WGRADS: dict[tuple, torch.Tensor] = {}
+
+
+def _dummy_wgrad(weight: torch.Tensor, zero: bool) -> torch.Tensor:
+    key = (tuple(weight.shape), weight.dtype, weight.device)
+    if key not in _DUMMY_WGRADS:
+        _DUMMY_WGRADS[key] = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    if zero:
+        _DUMMY_WGRADS[key].zero_()
+    return _DUMMY_WGRADS[key]
+
+
+class _State:
+    """delay_wgrad_compute: what the backward leaves for backward_dw() (x, dy, group_sizes, main_grad, ...)."""
+
+    def __init__(self) -> None:
+        self.pending: tuple[torch.Tensor, ...] | None = None
+
+
+class _GroupedLinearFunction(torch.autograd.Function):
+    """y = GroupedLinear(x) with its backward; see the module docstring for the formulas."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group_sizes, main_grad, dummy_wgrad, out, backend, fuse, delay, state):
+        if out is None:
+            y = _ops.m_grouped_mm_op(x, weight.mT, group_sizes, backend)
+        else:
+            _m_grouped_mm_into(x, weight.mT, group_sizes, out, backend)
+            ctx.mark_dirty(out)
+            y = out
+        if bias is not None:
+            _add_bias_rows(y, bias, group_sizes, backend)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        # Save only what the requested gradients read: x for wgrad, the weight for dgrad.
+        ctx.save_for_backward(x if need_w else None, weight if need_x else None, group_sizes)
+        # Not a saved tensor: backward mutates it, and so do other micro-batches' backwards in between.
+        ctx.main_grad, ctx.dummy_wgrad = main_grad, dummy_wgrad
+        ctx.meta = (backend, fuse, delay, state, bias is not None and need_b, weight.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, group_sizes = ctx.saved_tensors
+        main_grad = ctx.main_grad
+        backend, fuse, delay, state, need_b, w_dtype = ctx.meta
+        need_x, need_w = ctx.needs_input_grad[:2]
+        dx = dw = db = None
+        if need_x:
+            # dx[rows(g)] = dy[rows(g)] @ W[g]: the stored [G, N, K] weight is already the [G, K', N'] operand.
+            dx = _ops.m_grouped_mm_op(dy, weight, group_sizes, backend)
+        if delay and (need_w or need_b):
+            if state.pending is not None:
+                raise RuntimeError(
+                    "GroupedLinear(delay_wgrad_compute=True): a second backward ran before backward_dw() "
+                    "consumed the first one's weight gradient"
+                )
+            state.pending = (x, dy, group_sizes, main_grad, need_w, need_b)
+            return dx, *[None] * 10
+        if need_w:
+            dw = _weight_grad(x, dy, group_sizes, main_grad, backend, fuse, w_dtype)
+            if fuse and ctx.dummy_wgrad is not None:
+                # A fresh alias of the cached dummy, so AccumulateGrad takes it instead of cloning it.
+                dw = ctx.dummy_wgrad.detach()
+        if need_b:
+            db = _bias_grad(dy, group_sizes, w_dtype, backend)
+        return dx, dw, db, *[None] * 8
+
+
+def _weight_grad(x, dy, group_sizes, main_grad, backend, fuse, dtype) -> torch.Tensor | None:
+    """dW[g] = dy[rows(g)]^T @ x[rows(g)] in the weight's [G, N, K] storage layout, or main_grad += dW."""
+    if not fuse:
+        return _ops.k_grouped_mm_op(dy, x, group_sizes, dtype, backend)
+    _ops.k_grouped_mm_out_op(dy, x, group_sizes, main_grad, True, backend)
+    return None
+
+
+class GroupedLinear(nn.Module):
+    """G experts, each an nn.Linear(in_features, out_features), applied to contiguous row groups.
+
+    Parameters: ``weight`` [G, out_features, in_features] and ``bias`` [G, out_features] (or None),
+    in ``dtype`` (bf16/fp16/fp32). ``forward(x, group_sizes)``::
+
+        for g: y[rows(g)] = x[rows(g)] @ weight[g].T + bias[g];  y[sum(group_sizes):] = 0
+
+    Args:
+        num_groups, in_features, out_features: G, K, N.
+        bias: learn a per-expert additive bias.
+        dtype, device: of the parameters.
+        fuse_wgrad_accumulation: accumulate the weight gradient in fp32 into ``weight.main_grad``
+            ([G, N, K] float32, allocated by the caller, Megatron convention) instead of producing
+            ``weight.grad``. As in TransformerEngine, if the weight has ``grad_added_to_main_grad``
+            that flag is set True and autograd receives a cached dummy gradient (zeroed when
+            ``weight.zero_out_wgrad`` is set); otherwise the weight gets no ``.grad``.
+        delay_wgrad_compute: backward computes dx only and keeps (x, dy, group_sizes); call
+            ``backward_dw()`` once after each backward to compute the weight and bias gradients
+            (zero-bubble pipeline schedules). The next forward raises if it was not called.
+        init_method: called as ``init_method(weight[g])`` on each expert's [N, K] weight (the bias is
+            then zeroed, as in TE); default: nn.Linear's init, U(-1/sqrt(K), 1/sqrt(K)) for both.
+        backend: "auto", "triton" or "reference" (see ``moegemm.torch.api``).
+
+    A state dict in per-expert layout (``weight0`` .. ``weight{G-1}``, ``bias0`` ..) loads too.
+    """
+
+    def __init__(
+        self, num_groups: int, in_features: int, out_features: int, bias: bool = True, *,
+        dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+        fuse_wgrad_accumulation: bool = False, delay_wgrad_compute: bool = False,
+        init_method: Callable[[torch.Tensor], object] | None = None, backend: Backend = "auto",
+    ) -> None:  # fmt: skip
+        super().__init__()
+        if num_groups < 1 or in_features < 0 or out_features < 0:
+            raise ValueError(
+                f"GroupedLinear needs num_groups >= 1 and non-negative features; got num_groups={num_groups}, "
+                f"in_features={in_features}, out_features={out_features}"
+            )
+        factory = {"dtype": dtype, "device": device}
+        self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.delay_wgrad_compute = delay_wgrad_compute
+        self.init_method = init_method
+        self.backend = backend
+        self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **factory))
+        if self.weight.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"GroupedLinear parameters must be bfloat16, float16 or float32, got {dtype}")
+        if bias:
+            self.bias = nn.Parameter(torch.empty(num_groups, out_features, **factory))
+        else:
+            self.register_parameter("bias", None)
+        self._state = _State()
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            if self.init_method is not None:
+                for g in range(self.num_groups):
+                    self.init_method(self.weight[g])
+                if self.bias is not None:
+                    self.bias.zero_()
+                return
+            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0.0
+            self.weight.uniform_(-bound, bound)
+            if self.bias is not None:
+                self.bias.uniform_(-bound, bound)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_groups={self.num_groups}, in_features={self.in_features}, "
+            f"out_features={self.out_features}, bias={self.bias is not None}, "
+            f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}, "
+            f"delay_wgrad_compute={self.delay_wgrad_compute}"
+        )
+
+    def forward(
+        self, x: torch.Tensor, group_sizes: GroupSizes, *, out: torch.Tensor | None = None,
+        check: bool | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """x [M, in_features] -> y [M, out_features] in the parameters' dtype.
+
+        group_sizes [G] int32/int64: a CUDA tensor (no host sync anywhere, capturable), a CPU tensor
+        or a list. Rows at or past sum(group_sizes) come out 0 and get a zero gradient.
+        ``out=`` [M, out_features] receives the result in place. ``check=True`` (or MOEGEMM_CHECK=1)
+        syncs to validate that sizes are >= 0 and sum exactly to M.
+        """
+        G, N, K = self.weight.shape
+        if x.dim() != 2 or x.shape[1] != K:
+            raise ValueError(f"GroupedLinear expects x [M, in_features={K}], got x of shape {tuple(x.shape)}")
+        if x.dtype != self.weight.dtype:
+            raise TypeError(f"x is {x.dtype} but GroupedLinear's parameters are {self.weight.dtype}")
+        if x.device != self.weight.device:
+            raise ValueError(f"x is on {x.device} but GroupedLinear's parameters are on {self.weight.device}")
+        if isinstance(group_sizes, Sequence) and not all(isinstance(s, int) for s in group_sizes):
+            raise TypeError(f"group_sizes must hold ints, got {list(group_sizes)}")
+        group_sizes = as_group_sizes(group_sizes, G, x.device)
+        M = x.shape[0]
+        if checks_enabled(check):
+            check_group_sizes_values(group_sizes, M)
+            total = int(group_sizes.sum())
+            if total != M:
+                raise ValueError(
+                    f"sum(group_sizes) = {total} but x has M = {M} rows (check=True asks for equality); "
+                    f"sizes={group_sizes.tolist()}"
+                )
+        if out is not None and (tuple(out.shape) != (M, N) or out.dtype != x.dtype or out.device != x.device):
+            raise ValueError(
+                f"out must be a {x.dtype} tensor of shape {(M, N)} on {x.device}, got {out.dtype} "
+                f"{tuple(out.shape)} on {out.device}"
+            )
+        if self.delay_wgrad_compute and self._state.pending is not None:
+            raise RuntimeError(
+                "GroupedLinear(delay_wgrad_compute=True): call backward_dw() after each backward, before the "
+                "next forward; the previous backward's weight gradient is still pending"
+            )
+        main_grad = dummy_wgrad = None
+        if self.fuse_wgrad_accumulation and self.weight.requires_grad and torch.is_grad_enabled():
+            main_grad = self._main_grad()
+            if not self.delay_wgrad_compute:
+                dummy_wgrad = self._mark_grad_added_to_main_grad()
+        backend = resolve_backend(self.backend, x.device)
+        return _GroupedLinearFunction.apply(
+            x, self.weight, self.bias, group_sizes, main_grad, dummy_wgrad, out, backend,
+            self.fuse_wgrad_accumulation, self.delay_wgrad_compute, self._state,
+        )  # fmt: skip
+
+    def _mark_grad_added_to_main_grad(self) -> torch.Tensor | None:
+        """TE/Megatron: with ``weight.grad_added_to_main_grad`` present, set it and return the dummy
+        gradient the backward hands to autograd. Done when the graph is recorded rather than in the
+        backward (TE), so that torch.compile traces it; Megatron resets the flag before each step."""
+        if not hasattr(self.weight, "grad_added_to_main_grad"):
+            return None
+        self.weight.grad_added_to_main_grad = True
+        return _dummy_wgrad(self.weight, zero=getattr(self.weight, "zero_out_wgrad", False))
+
+    def _main_grad(self) -> torch.Tensor:
+        main_grad = getattr(self.weight, "main_grad", None)
+        shape = tuple(self.weight.shape)
+        if main_grad is None:
+            raise RuntimeError(
+                f"fuse_wgrad_accumulation=True needs weight.main_grad, a float32 tensor of shape {shape} "
+                f"allocated by the caller (Megatron convention); the weight has none"
+            )
+        if (
+            tuple(main_grad.shape) != shape
+            or main_grad.dtype != torch.float32
+            or main_grad.device != self.weight.device
+        ):
+            raise ValueError(
+                f"weight.main_grad must be float32 of shape {shape} on {self.weight.device}; got "
+                f"{main_grad.dtype} of shape {tuple(main_grad.shape)} on {main_grad.device}"
+            )
+        return main_grad
+
+    @torch.no_grad()
+    def backward_dw(self) -> None:
+        """Computes the delayed weight and bias gradients of the last backward (delay_wgrad_compute).
+
+        weight.grad (+)= dW, or weight.main_grad += dW with fuse_wgrad_accumulation; bias.grad (+)= dbias.
+        """
+        if not self.delay_wgrad_compute:
+            raise RuntimeError("backward_dw() is only for GroupedLinear(delay_wgrad_compute=True)")
+        if self._state.pending is None:
+            raise RuntimeError(
+                "backward_dw() has no pending weight gradient: it runs once after each backward "
+                "(called twice, or before any backward)"
+            )
+        x, dy, group_sizes, main_grad, need_w, need_b = self._state.pending
+        self._state.pending = None
+        backend = resolve_backend(self.backend, dy.device)
+        if need_w:
+            dw = _weight_grad(x, dy, group_sizes, main_grad, backend, self.fuse_wgrad_accumulation,
+                              self.weight.dtype)  # fmt: skip
+            if not self.fuse_wgrad_accumulation:
+                _accumulate_grad(self.weight, dw)
+            elif hasattr(self.weight, "grad_added_to_main_grad"):
+                self.weight.grad_added_to_main_grad = True
+        if need_b:
+            _accumulate_grad(self.bias, _bias_grad(dy, group_sizes, self.bias.dtype, backend))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:  # fmt: skip
+        # Per-expert layout (TE's GroupedLinear, a ModuleList of nn.Linear flattened): weight0..weight{G-1}.
+        for name in ("weight", "bias"):
+            keys = [f"{prefix}{name}{g}" for g in range(self.num_groups)]
+            present = [k for k in keys if k in state_dict]
+            if not present or f"{prefix}{name}" in state_dict:
+                continue
+            if len(present) != len(keys):
+                error_msgs.append(
+                    f"per-expert state dict for {prefix}{name}: has {len(present)} of the "
+                    f"{self.num_groups} entries {name}0..{name}{self.num_groups - 1}; missing "
+                    f"{[k for k in keys if k not in state_dict][:8]}"
+                )
+                continue
+            state_dict[f"{prefix}{name}"] = torch.stack([state_dict.pop(k) for k in keys])
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+
+def _accumulate_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad += grad

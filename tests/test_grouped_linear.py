@@ -1,0 +1,287 @@
+"""GroupedLinear against a loop of per-expert torch.nn.Linear in fp64, one test base per backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE
+from torch import nn
+
+from moegemm.testing import assert_rel_close
+from moegemm.torch import GroupedLinear
+
+G, M, K, N = 4, 37, 24, 20
+SIZES = [10, 0, 15, 12]  # sums to M, group 1 empty
+
+
+def linear_loop(module: GroupedLinear, x: torch.Tensor, sizes: list[int], dy: torch.Tensor):
+    """fp64 oracle: one nn.Linear per expert over its rows, zeros for rows past sum(sizes).
+
+    Returns y, dx, dweight [G, N, K] and dbias [G, N] (None without bias).
+    """
+    experts = []
+    for g in range(G):
+        lin = nn.Linear(K, N, bias=module.bias is not None, dtype=torch.float64)
+        with torch.no_grad():
+            lin.weight.copy_(module.weight[g].cpu())
+            if module.bias is not None:
+                lin.bias.copy_(module.bias[g].cpu())
+        experts.append(lin)
+    xr = x.detach().cpu().double().requires_grad_()
+    outs, start = [], 0
+    for lin, size in zip(experts, sizes):
+        outs.append(lin(xr[start : start + size]))
+        start += size
+    outs.append(xr.new_zeros(xr.shape[0] - start, N))
+    y = torch.cat(outs)
+    y.backward(dy.cpu().double())
+    dw = torch.stack([lin.weight.grad for lin in experts])
+    db = torch.stack([lin.bias.grad for lin in experts]) if module.bias is not None else None
+    return y.detach(), xr.grad, dw, db
+
+
+def make_inputs(dtype: torch.dtype, rows: int = M, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, K, generator=gen).to(dtype=dtype, device=DEVICE).requires_grad_()
+    dy = torch.randn(rows, N, generator=gen).to(dtype=dtype, device=DEVICE)
+    return x, dy
+
+
+class MoEBlock(nn.Module):
+    """Top-k routed MLP: sort token copies by expert, fc1 -> gelu -> fc2, weighted scatter-add back."""
+
+    def __init__(self, backend: str, hidden: int = 16, topk: int = 2) -> None:
+        super().__init__()
+        self.topk = topk
+        self.router = nn.Linear(K, G, bias=False, device=DEVICE)
+        self.fc1 = GroupedLinear(G, K, hidden, device=DEVICE, backend=backend)
+        self.fc2 = GroupedLinear(G, hidden, K, bias=False, device=DEVICE, backend=backend)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs, experts = self.router(x).softmax(-1).topk(self.topk, dim=-1)
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)
+        tokens = order // self.topk
+        # Static-shape group sizes on the device (bincount's output shape is data-dependent).
+        group_sizes = torch.zeros(G, dtype=torch.int64, device=x.device).index_add_(
+            0, flat, torch.ones_like(flat)
+        )
+        h = self.fc2(nn.functional.gelu(self.fc1(x[tokens], group_sizes)), group_sizes)
+        h = h * probs.flatten()[order].unsqueeze(1)
+        return torch.zeros_like(x).index_add(0, tokens, h)
+
+
+class GroupedLinearTest:
+    BACKEND = "triton"
+
+    def make(
+        self, bias: bool = True, dtype: torch.dtype = torch.float32, seed: int = 0, **kwargs
+    ) -> GroupedLinear:
+        torch.manual_seed(seed)
+        return GroupedLinear(G, K, N, bias, dtype=dtype, device=DEVICE, backend=self.BACKEND, **kwargs)
+
+    def check_grads(self, module, x, sizes, dy, y, dtype, what):
+        ry, rdx, rdw, rdb = linear_loop(module, x, sizes, dy)
+        assert_rel_close(y.detach().cpu(), ry, dtype, what=f"{what} y")
+        assert_rel_close(x.grad.cpu(), rdx, dtype, what=f"{what} dx")
+        assert_rel_close(module.weight.grad.cpu(), rdw, dtype, what=f"{what} dweight")
+        if module.bias is not None:
+            assert_rel_close(module.bias.grad.cpu(), rdb, dtype, what=f"{what} dbias")
+
+    @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+    @pytest.mark.parametrize("sizes_as", ["list", "device-int32", "cpu-int64"])
+    def test_matches_linear_loop(self, bias, sizes_as):
+        module = self.make(bias)
+        x, dy = make_inputs(torch.float32)
+        group_sizes = {
+            "list": SIZES,
+            "device-int32": torch.tensor(SIZES, dtype=torch.int32, device=DEVICE),
+            "cpu-int64": torch.tensor(SIZES, dtype=torch.int64),
+        }[sizes_as]
+        y = module(x, group_sizes, check=True)
+        assert y.shape == (M, N) and y.dtype == torch.float32
+        y.backward(dy)
+        self.check_grads(module, x, SIZES, dy, y, torch.float32, f"{self.BACKEND} {sizes_as} bias={bias}")
+
+    def test_bfloat16(self):
+        module = self.make(dtype=torch.bfloat16)
+        x, dy = make_inputs(torch.bfloat16, seed=1)
+        y = module(x, SIZES)
+        assert y.dtype == torch.bfloat16
+        y.backward(dy)
+        assert module.weight.grad.dtype == module.bias.grad.dtype == torch.bfloat16
+        self.check_grads(module, x, SIZES, dy, y, torch.bfloat16, f"{self.BACKEND} bf16")
+
+    @pytest.mark.parametrize("sizes", [[0, 0, 0, M], [M, 0, 0, 0], [0, 20, 0, 17]], ids=str)
+    def test_empty_groups_get_exact_zero_grads(self, sizes):
+        module = self.make()
+        x, dy = make_inputs(torch.float32)
+        y = module(x, sizes)
+        y.backward(dy)
+        self.check_grads(module, x, sizes, dy, y, torch.float32, f"{self.BACKEND} {sizes}")
+        for g in (g for g, s in enumerate(sizes) if s == 0):
+            assert torch.equal(module.weight.grad[g], torch.zeros(N, K, device=DEVICE)), f"dweight[{g}] not 0"
+            assert torch.equal(module.bias.grad[g], torch.zeros(N, device=DEVICE)), f"dbias[{g}] not 0"
+
+    @pytest.mark.parametrize("sizes", [[10, 0, 15, 5], [0, 0, 0, 0]], ids=str)
+    def test_tail_rows_are_zero_and_get_zero_grad(self, sizes):
+        module = self.make()
+        with torch.no_grad():
+            module.bias.add_(1.0)  # a bias added to the tail rows could not hide behind a small init
+        x, dy = make_inputs(torch.float32)
+        y = module(x, sizes)
+        y.backward(dy)  # dy is nonzero on the tail: it must not reach dweight or dbias
+        owned = sum(sizes)
+        assert torch.equal(y[owned:].detach(), torch.zeros(M - owned, N, device=DEVICE)), (
+            "tail rows of y not 0"
+        )
+        assert torch.equal(x.grad[owned:], torch.zeros(M - owned, K, device=DEVICE)), "tail rows of dx not 0"
+        self.check_grads(module, x, sizes, dy, y, torch.float32, f"{self.BACKEND} tail {sizes}")
+
+    def test_out_buffer(self):
+        module = self.make()
+        x, dy = make_inputs(torch.float32)
+        out = torch.full((M, N), float("nan"), device=DEVICE)
+        y = module(x, [10, 0, 15, 5], out=out)
+        assert y.data_ptr() == out.data_ptr()
+        y.backward(dy)
+        self.check_grads(module, x, [10, 0, 15, 5], dy, y, torch.float32, f"{self.BACKEND} out=")
+
+    @pytest.mark.parametrize("megatron_flag", [False, True], ids=["plain", "grad_added_to_main_grad"])
+    def test_fuse_wgrad_accumulation(self, megatron_flag):
+        module = self.make(fuse_wgrad_accumulation=True)
+        module.weight.main_grad = torch.full((G, N, K), 0.5, device=DEVICE)
+        if megatron_flag:
+            module.weight.grad_added_to_main_grad = False
+        x, dy = make_inputs(torch.float32)
+        for _ in range(2):  # accumulating twice adds up
+            module(x, SIZES).backward(dy)
+        _, _, rdw, rdb = linear_loop(module, x, SIZES, dy)
+        assert_rel_close(module.weight.main_grad.cpu(), 0.5 + 2 * rdw, torch.float32, what="main_grad")
+        assert_rel_close(module.bias.grad.cpu(), 2 * rdb, torch.float32, what="dbias")
+        if megatron_flag:  # TE: flag set, autograd gets a dummy of the weight's shape
+            assert module.weight.grad_added_to_main_grad is True
+            assert module.weight.grad is not None and module.weight.grad.shape == (G, N, K)
+        else:
+            assert module.weight.grad is None
+
+    def test_fuse_wgrad_accumulation_needs_main_grad(self):
+        module = self.make(fuse_wgrad_accumulation=True)
+        x, _ = make_inputs(torch.float32)
+        with pytest.raises(RuntimeError, match=r"needs weight\.main_grad.*\(4, 20, 24\)"):
+            module(x, SIZES)
+        module.weight.main_grad = torch.zeros(G, N, K, dtype=torch.bfloat16, device=DEVICE)
+        with pytest.raises(ValueError, match=r"main_grad must be float32 .*got torch\.bfloat16"):
+            module(x, SIZES)
+        module.weight.main_grad = torch.zeros(G, K, N, device=DEVICE)
+        with pytest.raises(ValueError, match=r"shape \(4, 20, 24\).*shape \(4, 24, 20\)"):
+            module(x, SIZES)
+        with torch.no_grad():  # no backward will run: main_grad is not needed
+            module(x, SIZES)
+
+    @pytest.mark.parametrize("fuse", [False, True], ids=["grad", "main_grad"])
+    def test_delay_wgrad_compute(self, fuse):
+        module = self.make(delay_wgrad_compute=True, fuse_wgrad_accumulation=fuse)
+        if fuse:
+            module.weight.main_grad = torch.zeros(G, N, K, device=DEVICE)
+        x, dy = make_inputs(torch.float32)
+        y = module(x, SIZES)
+        y.backward(dy)
+        assert module.weight.grad is None and module.bias.grad is None, "wgrad ran in the backward"
+        ry, rdx, rdw, rdb = linear_loop(module, x, SIZES, dy)
+        assert_rel_close(x.grad.cpu(), rdx, torch.float32, what="dx")
+        module.backward_dw()
+        dw = module.weight.main_grad if fuse else module.weight.grad
+        assert_rel_close(dw.cpu(), rdw, torch.float32, what="delayed dweight")
+        assert_rel_close(module.bias.grad.cpu(), rdb, torch.float32, what="delayed dbias")
+        with pytest.raises(RuntimeError, match=r"backward_dw\(\) has no pending weight gradient"):
+            module.backward_dw()
+
+    def test_delay_wgrad_compute_forgotten(self):
+        module = self.make(delay_wgrad_compute=True)
+        x, dy = make_inputs(torch.float32)
+        module(x, SIZES).backward(dy)
+        with pytest.raises(RuntimeError, match=r"call backward_dw\(\) after each backward"):
+            module(x, SIZES)
+
+    def test_state_dict_per_expert_layout(self):
+        experts = [nn.Linear(K, N, dtype=torch.float32) for _ in range(G)]
+        per_expert = {f"fc.weight{g}": lin.weight.detach() for g, lin in enumerate(experts)}
+        per_expert |= {f"fc.bias{g}": lin.bias.detach() for g, lin in enumerate(experts)}
+        parent = nn.ModuleDict({"fc": self.make()})
+        parent.load_state_dict(per_expert)
+        for g, lin in enumerate(experts):
+            assert torch.equal(parent["fc"].weight[g].cpu(), lin.weight.detach())
+            assert torch.equal(parent["fc"].bias[g].cpu(), lin.bias.detach())
+        # The native layout still loads, and a partial per-expert dict names what is missing.
+        parent.load_state_dict({k: v.clone() for k, v in parent.state_dict().items()})
+        del per_expert["fc.weight2"]
+        with pytest.raises(
+            RuntimeError, match=r"has 3 of the 4 entries weight0\.\.weight3; missing \['fc\.weight2'\]"
+        ):
+            parent.load_state_dict(per_expert)
+
+    def test_compile_fullgraph_moe_block(self):
+        torch.manual_seed(0)
+        block = MoEBlock(self.BACKEND)
+        x = torch.randn(12, K, device=DEVICE, requires_grad=True)
+        block(x).square().sum().backward()
+        eager = [x.grad] + [p.grad for p in block.parameters()]
+        x.grad = None
+        block.zero_grad(set_to_none=True)
+        compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+        y = compiled(x)
+        y.square().sum().backward()
+        assert_rel_close(y.detach().cpu(), block(x).detach().cpu(), torch.float32, what="compiled y")
+        for (name, p), want in zip([("x", x), *block.named_parameters()], eager):
+            assert_rel_close(p.grad.cpu(), want.cpu(), torch.float32, what=f"compiled d{name}")
+
+    @pytest.mark.parametrize(
+        "case",
+        ["sizes-length", "sizes-float", "sizes-list-float", "x-features", "x-dtype", "x-rank",
+         "check-sum-below", "check-sum-above", "check-negative", "out-shape"],
+    )  # fmt: skip
+    def test_bad_input_errors(self, case):
+        module = self.make()
+        x, _ = make_inputs(torch.float32)
+        args, kwargs = (x, SIZES), {}
+        error, pattern = {
+            "sizes-length": (ValueError, r"group_sizes has 3 entries but the weight has G=4"),
+            "sizes-float": (TypeError, r"group_sizes must be int32 or int64, got torch\.float32"),
+            "sizes-list-float": (TypeError, r"group_sizes must hold ints, got \[10\.0, 0, 15, 12\]"),
+            "x-features": (ValueError, r"x \[M, in_features=24\], got x of shape \(37, 25\)"),
+            "x-dtype": (TypeError, r"x is torch\.float64 but GroupedLinear's parameters are torch\.float32"),
+            "x-rank": (ValueError, r"x \[M, in_features=24\], got x of shape \(37, 24, 1\)"),
+            "check-sum-below": (ValueError, r"sum\(group_sizes\) = 30 but x has M = 37 rows"),
+            "check-sum-above": (ValueError, r"sum\(group_sizes\) = 40 exceeds the 37 rows"),
+            "check-negative": (ValueError, r"negative entries \(group, size\): \[\(1, -3\)\]"),
+            "out-shape": (ValueError, r"out must be a torch\.float32 tensor of shape \(37, 20\)"),
+        }[case]
+        if case == "sizes-length":
+            args = (x, [10, 15, 12])
+        elif case == "sizes-float":
+            args = (x, torch.tensor(SIZES, dtype=torch.float32))
+        elif case == "sizes-list-float":
+            args = (x, [10.0, 0, 15, 12])
+        elif case == "x-features":
+            args = (torch.randn(M, K + 1, device=DEVICE), SIZES)
+        elif case == "x-dtype":
+            args = (x.detach().double(), SIZES)
+        elif case == "x-rank":
+            args = (x.unsqueeze(-1), SIZES)
+        elif case.startswith("check"):
+            sizes = {"check-sum-below": [10, 0, 15, 5], "check-sum-above": [10, 3, 15, 12],
+                     "check-negative": [10, -3, 15, 12]}[case]  # fmt: skip
+            args, kwargs = (x, torch.tensor(sizes, device=DEVICE)), {"check": True}
+        elif case == "out-shape":
+            kwargs = {"out": torch.empty(M, N + 1, device=DEVICE)}
+        with pytest.raises(error, match=pattern):
+            module(*args, **kwargs)
+
+
+class TestTriton(GroupedLinearTest):
+    BACKEND = "triton"
+
+
+class TestReference(GroupedLinearTest):
+    BACKEND = "reference"
