@@ -87,7 +87,8 @@ class KGroupedLaunch:
     def make(M: int, N: int, K: int, G: int, *, config, num_programs_cap: int, fp32_inputs: bool,
              accumulate: bool, interpret: bool) -> KGroupedLaunch:  # fmt: skip
         tiles = G * triton.cdiv(K, config.block_k) * triton.cdiv(N, config.block_n)
-        num_programs = max(1, min(tiles, num_programs_cap))
+        # num_programs_cap is one wave at one program per SM; a config may ask for several per SM.
+        num_programs = max(1, min(tiles, num_programs_cap * config.ctas_per_sm))
         meta = dict(
             NUM_PROGRAMS=num_programs,
             BLOCK_K=config.block_k, BLOCK_N=config.block_n, BLOCK_R=config.block_r,

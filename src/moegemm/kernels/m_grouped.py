@@ -97,7 +97,8 @@ class MGroupedLaunch:
         bm, bn = config.block_m, config.block_n
         # Each group adds at most one partial row tile, the tail slot one more.
         max_tiles = (triton.cdiv(M, bm) + G + 1) * triton.cdiv(N, bn)
-        num_programs = max(1, min(max_tiles, num_programs_cap))
+        # num_programs_cap is one wave at one program per SM; a config may ask for several per SM.
+        num_programs = max(1, min(max_tiles, num_programs_cap * config.ctas_per_sm))
         meta = dict(
             NUM_PROGRAMS=num_programs,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config.block_k, GROUP_M=config.group_m,
