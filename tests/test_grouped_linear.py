@@ -103,6 +103,24 @@ class GroupedLinearTest:
         y.backward(dy)
         self.check_grads(module, x, SIZES, dy, y, torch.float32, f"{self.BACKEND} {sizes_as} bias={bias}")
 
+    @pytest.mark.parametrize("frozen", ["x", "weight"])
+    def test_partial_requires_grad(self, frozen):
+        module = self.make()
+        x, dy = make_inputs(torch.float32)
+        if frozen == "x":
+            x.requires_grad_(False)
+        else:
+            module.requires_grad_(False)
+        module(x, SIZES).backward(dy)
+        _, rdx, rdw, rdb = linear_loop(module, x, SIZES, dy)
+        if frozen == "x":
+            assert x.grad is None
+            assert_rel_close(module.weight.grad.cpu(), rdw, torch.float32, what="dweight, x frozen")
+            assert_rel_close(module.bias.grad.cpu(), rdb, torch.float32, what="dbias, x frozen")
+        else:
+            assert module.weight.grad is None and module.bias.grad is None
+            assert_rel_close(x.grad.cpu(), rdx, torch.float32, what="dx, weight frozen")
+
     def test_bfloat16(self):
         module = self.make(dtype=torch.bfloat16)
         x, dy = make_inputs(torch.bfloat16, seed=1)
@@ -137,6 +155,15 @@ class GroupedLinearTest:
         )
         assert torch.equal(x.grad[owned:], torch.zeros(M - owned, K, device=DEVICE)), "tail rows of dx not 0"
         self.check_grads(module, x, sizes, dy, y, torch.float32, f"{self.BACKEND} tail {sizes}")
+
+    def test_fp32_bias_with_tf32_allowed(self):
+        # With TF32 matmuls allowed the bias is gathered, not multiplied by the row one-hot.
+        previous = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high")
+        try:
+            self.test_tail_rows_are_zero_and_get_zero_grad([10, 0, 15, 5])
+        finally:
+            torch.set_float32_matmul_precision(previous)
 
     def test_out_buffer(self):
         module = self.make()
@@ -196,6 +223,18 @@ class GroupedLinearTest:
         assert_rel_close(module.bias.grad.cpu(), rdb, torch.float32, what="delayed dbias")
         with pytest.raises(RuntimeError, match=r"backward_dw\(\) has no pending weight gradient"):
             module.backward_dw()
+
+    def test_delay_wgrad_compute_compiled_with_graph_break(self):
+        module = self.make(delay_wgrad_compute=True)
+        compiled = torch.compile(module, backend="aot_eager")  # backward_dw's state: not fullgraph
+        x, dy = make_inputs(torch.float32)
+        for _ in range(2):  # delayed gradients accumulate like autograd's
+            compiled(x, SIZES).backward(dy)
+            module.backward_dw()
+        _, rdx, rdw, rdb = linear_loop(module, x, SIZES, dy)
+        assert_rel_close(x.grad.cpu(), 2 * rdx, torch.float32, what="compiled delayed dx")
+        assert_rel_close(module.weight.grad.cpu(), 2 * rdw, torch.float32, what="compiled delayed dweight")
+        assert_rel_close(module.bias.grad.cpu(), 2 * rdb, torch.float32, what="compiled delayed dbias")
 
     def test_delay_wgrad_compute_forgotten(self):
         module = self.make(delay_wgrad_compute=True)

@@ -3,12 +3,17 @@
 Semantics, with rows(g) = [offset_g, offset_g + size_g) and offset = exclusive prefix sum of sizes::
 
     for g: y[rows(g)] = x[rows(g)] @ weight[g].T + bias[g]      # rows past sum(sizes): y = 0
+    (the bias is added in place as y += onehot[M, G] @ bias, the one-hot marking each row's group)
     dx[rows(g)] = dy[rows(g)] @ weight[g]                        # m_grouped_mm, weight as stored
     dweight[g] = dy[rows(g)].T @ x[rows(g)]                      # k_grouped_mm, [G, N, K] storage
     dbias[g]   = ones[rows(g)].T @ dy[rows(g)]                   # k_grouped_mm with a stride-0 ones
 
 Every step is a moegemm kernel reading group_sizes on the device, so forward and backward never
 sync the host when group_sizes is a CUDA tensor (CUDA-graph capturable).
+
+torch.compile(fullgraph=True) traces the module (the autograd.Function calls only custom ops), also
+with fuse_wgrad_accumulation. delay_wgrad_compute hands (x, dy) from the backward to backward_dw()
+through Python state, which Dynamo cannot trace: compile it without fullgraph (one graph break).
 """
 
 from __future__ import annotations
@@ -53,9 +58,27 @@ def _ones_column(t: torch.Tensor, rows: int) -> torch.Tensor:
     return t.new_ones(1).expand(rows, 1)
 
 
-def _add_bias_rows(y: torch.Tensor, bias: torch.Tensor, group_sizes: torch.Tensor, backend: str) -> None:
-    """y[rows(g)] += bias[g] for owned rows only (tail rows stay 0): ones[M, 1] @ bias[g][None, :]."""
-    y.add_(_ops.m_grouped_mm_op(_ones_column(y, y.shape[0]), bias.unsqueeze(1), group_sizes, backend))
+@torch.compiler.assume_constant_result  # read at trace time under torch.compile
+def _tf32_matmuls_allowed() -> bool:
+    return torch.get_float32_matmul_precision() != "highest"
+
+
+def _add_bias_rows(y: torch.Tensor, bias: torch.Tensor, group_sizes: torch.Tensor) -> None:
+    """y[rows(g)] += bias[g] for owned rows only (tail rows stay 0), in place: y += onehot(group of row) @ bias.
+
+    The [M, G] one-hot stands in for an [M, N] bias temporary, and addmm rounds y + bias once.
+    Sizes are clamped at 0 as in the kernels; row r belongs to the first g with r < end_g (G: the tail).
+    """
+    ends = group_sizes.clamp(min=0).cumsum(0)
+    rows = torch.arange(y.shape[0], device=y.device, dtype=ends.dtype)
+    group_of_row = torch.searchsorted(ends, rows, right=True)
+    if y.dtype == torch.float32 and _tf32_matmuls_allowed():
+        # TF32 would round the bias (a GEMM operand here) to 10 mantissa bits: gather it exactly instead,
+        # at the cost of an [M, N] temporary. Row group G (the tail) picks the appended zero row.
+        y.add_(torch.cat([bias, bias.new_zeros(1, bias.shape[1])])[group_of_row])
+        return
+    onehot = group_of_row.unsqueeze(1) == torch.arange(bias.shape[0], device=y.device, dtype=ends.dtype)
+    y.addmm_(onehot.to(y.dtype), bias)
 
 
 def _bias_grad(dy: torch.Tensor, group_sizes: torch.Tensor, dtype: torch.dtype, backend: str) -> torch.Tensor:
@@ -98,7 +121,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
             ctx.mark_dirty(out)
             y = out
         if bias is not None:
-            _add_bias_rows(y, bias, group_sizes, backend)
+            _add_bias_rows(y, bias, group_sizes)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         # Save only what the requested gradients read: x for wgrad, the weight for dgrad.
         ctx.save_for_backward(x if need_w else None, weight if need_x else None, group_sizes)
