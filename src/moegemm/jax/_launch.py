@@ -1,0 +1,106 @@
+"""One description of each kernel launch, shared by the GPU path (jax-triton) and the interpreter path.
+
+``m_grouped_call`` / ``k_grouped_call`` turn JAX arrays and static shapes into a ``KernelCall``: the
+kernel's positional arguments in parameter order (arrays, then Python-int sizes and strides, the
+output pointer left out as jax-triton appends it), grid, constexprs and the output shape. Both
+executors consume exactly this object, so the interpreter tests exercise the GPU glue.
+JAX arrays are contiguous row-major: strides are computed from shapes, and a transposed weight is
+passed as the untransposed array with swapped strides (no copy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from moegemm import configs
+from moegemm.kernels.k_grouped import KGroupedLaunch, k_grouped_mm_kernel
+from moegemm.kernels.m_grouped import MGroupedLaunch, m_grouped_mm_kernel
+
+# SM count used when the device does not report one (H100 SXM).
+DEFAULT_PROGRAMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where a launch runs: ``name`` is the configs.TABLE target, ``programs`` caps the persistent grid."""
+
+    name: str
+    device_name: str
+    programs: int
+
+
+# Odd and small, so the persistent stride loop is exercised (as in the PyTorch glue).
+INTERPRET = Target("interpret", "", 3)
+
+
+@functools.cache
+def gpu_target() -> Target:
+    """Target of the first GPU, from device attributes only (no sync, no kernel launch)."""
+    device = jax.devices("gpu")[0]
+    cc = str(getattr(device, "compute_capability", ""))
+    try:
+        programs = int(device.core_count)
+    except (AttributeError, TypeError, ValueError):
+        programs = DEFAULT_PROGRAMS
+    return Target("sm90" if cc == "9.0" else "cuda", str(device.device_kind), programs)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCall:
+    """One kernel launch: ``kernel[grid](*args, out, **meta)`` with out of ``out_shape``."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple  # jax arrays and Python ints, in kernel parameter order, output excluded
+    out_shape: jax.ShapeDtypeStruct
+    meta: dict  # constexprs plus num_warps / num_stages
+    input_output_aliases: dict[int, int]  # {args index: output index}
+
+
+def m_grouped_call(
+    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, transpose_w: bool, out_dtype, target: Target
+) -> KernelCall:
+    """out [M, N] = for g: x[rows(g)] @ W[g], W = w [G, K, N], or w [G, N, K] read transposed."""
+    M, K = x.shape
+    if transpose_w:
+        G, N, _ = w.shape
+        stride_wg, stride_wk, stride_wn = N * K, 1, K
+    else:
+        G, _, N = w.shape
+        stride_wg, stride_wk, stride_wn = K * N, N, 1
+    config = configs.pick_config(
+        "m_grouped", target.name, device_name=target.device_name, dtype=x.dtype.name, G=G, N=N, K=K, M=M
+    )
+    launch = MGroupedLaunch.make(
+        M, N, K, G, config=config, num_programs_cap=target.programs,
+        fp32_inputs=x.dtype == jnp.float32, interpret=target.name == "interpret",
+    )  # fmt: skip
+    args = (x, w, group_sizes, M, N, K, G, K, 1, stride_wg, stride_wk, stride_wn, N, 1)
+    out_shape = jax.ShapeDtypeStruct((M, N), jnp.dtype(out_dtype))
+    return KernelCall(m_grouped_mm_kernel, launch.grid, args, out_shape, launch.meta, {})
+
+
+def k_grouped_call(
+    a: jax.Array, b: jax.Array, group_sizes: jax.Array, c: jax.Array | None, *, out_dtype, target: Target
+) -> KernelCall:
+    """out [G, K, N] = for g: (c[g] +) a[rows(g)]^T @ b[rows(g)]; c, when given, is aliased to out."""
+    M, K = a.shape
+    N = b.shape[1]
+    G = group_sizes.shape[0]
+    config = configs.pick_config(
+        "k_grouped", target.name, device_name=target.device_name, dtype=a.dtype.name, G=G, N=N, K=K, M=M
+    )
+    launch = KGroupedLaunch.make(
+        M, N, K, G, config=config, num_programs_cap=target.programs,
+        fp32_inputs=a.dtype == jnp.float32, accumulate=c is not None, interpret=target.name == "interpret",
+    )  # fmt: skip
+    # Without accumulation the kernel never reads c_ptr; any pointer fills the slot.
+    args = (a, b, group_sizes, a if c is None else c, M, N, K, G, K, 1, N, 1, K * N, N, 1)
+    out_shape = jax.ShapeDtypeStruct((G, K, N), jnp.dtype(out_dtype))
+    aliases = {} if c is None else {3: 0}
+    return KernelCall(k_grouped_mm_kernel, launch.grid, args, out_shape, launch.meta, aliases)

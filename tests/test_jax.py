@@ -1,0 +1,386 @@
+"""JAX front end: values and grads against an fp64 numpy oracle and jax.lax.ragged_dot.
+
+One backend-agnostic base class, subclassed per backend: "interpret" runs the real Triton kernels
+through the Triton interpreter with the GPU path's launch arguments (a launch counter proves it),
+"reference" the jax.numpy twin, and "triton" the compiled kernels when JAX has a GPU.
+Shapes are tiny so the interpreter keeps the file fast on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moegemm import shapes
+from moegemm.jax import _interpret, api
+from moegemm.jax import reference as jref
+
+# The Triton interpreter itself trips this numpy deprecation on every scalar index.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+BF16, F16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)
+# Relative Frobenius error vs fp64, by output dtype: output rounding dominates (bf16 keeps 8
+# mantissa bits, ~2e-3 per element; fp16 11 bits, ~2.4e-4); fp32 sees accumulation order, ~1e-7.
+REL_TOL = {BF16: 8e-3, F16: 1.5e-3, F32: 2e-5}
+DTYPES = (BF16, F16, F32)
+
+# (name, M, K, N, group_sizes): MoE edge cases, every one small enough for the interpreter.
+CASES = [
+    ("dirichlet-skew-empty", 48, 40, 24, shapes.group_sizes(48, 5, seed=3, empty=1)),
+    ("sum-below-M", 37, 20, 33, [10, 0, 15, 7]),
+    ("one-hot-expert", 23, 16, 16, shapes.group_sizes(23, 3, split="one-hot")),
+    ("odd-dims", 7, 33, 65, [3, 0, 4]),
+]
+
+
+# ---------------------------------------------------------------- fp64 numpy oracle
+
+
+def bounds(sizes, M: int) -> list[tuple[int, int]]:
+    """The kernels' clamping: size -> [0, M], offsets are prefix sums clamped at M."""
+    out, end = [], 0
+    for size in sizes:
+        size = min(max(int(size), 0), M)
+        out.append((min(end, M), min(end + size, M)))
+        end += size
+    return out
+
+
+def np_m_grouped(x, w, sizes):
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    out = np.zeros((x.shape[0], w.shape[2]))
+    for g, (s, e) in enumerate(bounds(sizes, x.shape[0])):
+        out[s:e] = x[s:e] @ w[g]
+    return out
+
+
+def np_k_grouped(a, b, sizes):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    out = np.zeros((len(sizes), a.shape[1], b.shape[1]))
+    for g, (s, e) in enumerate(bounds(sizes, a.shape[0])):
+        out[g] = a[s:e].T @ b[s:e]
+    return out
+
+
+def np_ragged_grads(x, w, sizes, dy):
+    """(dx, dw) of sum(ragged_dot(x, w) * dy) in fp64."""
+    dx = np_m_grouped(dy, np.swapaxes(np.asarray(w, np.float64), 1, 2), sizes)
+    return dx, np_k_grouped(x, dy, sizes)
+
+
+def relerr(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    if np.isnan(out).any():
+        return float("inf")
+    denom = np.linalg.norm(ref)
+    diff = np.linalg.norm(out - ref)
+    return diff / denom if denom > 0 else diff
+
+
+def assert_close(out, ref, dtype, what=""):
+    out64, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert out64.shape == ref.shape, f"{what}: shape {out64.shape} != {ref.shape}"
+    err, tol = relerr(out64, ref), REL_TOL[jnp.dtype(dtype)]
+    if not err <= tol:
+        diff = np.nan_to_num(np.abs(out64 - ref), nan=np.inf)
+        idx = np.unravel_index(np.argmax(diff), diff.shape)
+        raise AssertionError(
+            f"{what}: relerr {err:.3e} > tol {tol:.1e}; worst at {idx}: got {out64[idx]}, want {ref[idx]}; "
+            f"{int(np.isnan(out64).sum())} NaN elements (interpreter outputs start as NaN)"
+        )
+
+
+def randn(seed, shape, dtype):
+    # numpy (with ml_dtypes for bf16) rather than jax.random: no XLA compile per shape and dtype.
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape).astype(jnp.dtype(dtype)))
+
+
+def no_launch(fn):
+    """Marks a test whose inputs are degenerate enough that no kernel launches."""
+    fn.no_launch = True
+    return fn
+
+
+# ---------------------------------------------------------------- the backend-agnostic suite
+
+
+class JaxOpsTest:
+    BACKEND: str
+
+    @pytest.fixture(autouse=True)
+    def _count_launches(self, request):
+        before = sum(_interpret.CALLS.values())
+        yield
+        if self.BACKEND == "interpret" and not getattr(request.function, "no_launch", False):
+            assert sum(_interpret.CALLS.values()) > before, "the interpreter backend launched no kernel"
+
+    def ragged_dot(self, *args, **kwargs):
+        return api.ragged_dot(*args, backend=self.BACKEND, **kwargs)
+
+    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    @pytest.mark.parametrize("name, M, K, N, sizes", CASES, ids=[c[0] for c in CASES])
+    def test_forward(self, name, M, K, N, sizes, dtype):
+        x, w = randn(0, (M, K), dtype), randn(1, (len(sizes), K, N), dtype)
+        out = self.ragged_dot(x, w, jnp.asarray(sizes, jnp.int32))
+        assert out.dtype == dtype
+        assert_close(out, np_m_grouped(x, w, sizes), dtype, f"{name} fwd")
+
+    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    def test_grads_vs_fp64(self, dtype):
+        M, K, N, sizes = 40, 24, 36, [9, 0, 20, 6]  # an empty group and 5 unowned tail rows
+        x, w, dy = randn(0, (M, K), dtype), randn(1, (4, K, N), dtype), randn(2, (M, N), dtype)
+        gs = jnp.asarray(sizes, jnp.int32)
+        _, vjp = jax.vjp(lambda x, w: self.ragged_dot(x, w, gs), x, w)
+        dx, dw = vjp(dy)
+        assert dx.dtype == dtype and dw.dtype == dtype
+        dx_ref, dw_ref = np_ragged_grads(x, w, sizes, dy)
+        assert_close(dx, dx_ref, dtype, "dx")
+        assert_close(dw, dw_ref, dtype, "dw")
+        assert not np.asarray(dw[1]).any(), "empty group's weight gradient must be exactly zero"
+        assert not np.asarray(dx[35:]).any(), "unowned rows' input gradient must be exactly zero"
+
+    def test_grad_matches_lax_ragged_dot_under_jit(self):
+        M, K, N, sizes = 33, 16, 20, jnp.asarray([0, 12, 21], jnp.int32)
+        x, w = randn(0, (M, K), F32), randn(1, (3, K, N), F32)
+        weights = randn(2, (M, N), F32)
+
+        def loss(fn):
+            return lambda x, w, gs: jnp.sum(jnp.tanh(fn(x, w, gs)) * weights)
+
+        ours = jax.jit(jax.value_and_grad(loss(self.ragged_dot), argnums=(0, 1)))(x, w, sizes)
+        lax = lax_ragged_dot_highest()
+        theirs = jax.value_and_grad(loss(lax), argnums=(0, 1))(x, w, sizes)
+        np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-5)
+        for got, want, what in zip(ours[1], theirs[1], ("dx", "dw")):
+            assert_close(got, want, F32, what)
+
+    def test_preferred_element_type(self):
+        M, K, N, sizes = 30, 16, 24, [11, 19]
+        x, w = randn(0, (M, K), BF16), randn(1, (2, K, N), BF16)
+        out = self.ragged_dot(x, w, jnp.asarray(sizes, jnp.int32), preferred_element_type=jnp.float32)
+        assert out.dtype == F32
+        assert_close(out, np_m_grouped(x, w, sizes), F32, "bf16 in, fp32 out")
+
+    @pytest.mark.parametrize("pattern", ["".join(p) for p in itertools.product("0x", repeat=3)])
+    def test_every_empty_pattern(self, pattern):
+        sizes = [7 if c == "x" else 0 for c in pattern]
+        M, K, N = 24, 16, 16  # rows past sum(sizes) stay unowned
+        x, w, dy = randn(0, (M, K), F32), randn(1, (3, K, N), F32), randn(2, (M, N), F32)
+        out, vjp = jax.vjp(lambda x, w: self.ragged_dot(x, w, jnp.asarray(sizes, jnp.int32)), x, w)
+        dx, dw = vjp(dy)
+        dx_ref, dw_ref = np_ragged_grads(x, w, sizes, dy)
+        assert_close(out, np_m_grouped(x, w, sizes), F32, f"{pattern} fwd")
+        assert_close(dx, dx_ref, F32, f"{pattern} dx")
+        assert_close(dw, dw_ref, F32, f"{pattern} dw")
+        for g, c in enumerate(pattern):
+            if c == "0":
+                assert not np.asarray(dw[g]).any(), f"empty group {g}: nonzero weight gradient"
+
+    @pytest.mark.parametrize("name, M, sizes", [
+        ("negative", 30, [10, -5, 12]),
+        ("sum-above-M", 30, [20, 0, 25]),
+        ("huge", 30, [2**31 - 1, 3, 0]),
+    ])  # fmt: skip
+    def test_invalid_sizes_are_clamped(self, name, M, sizes):
+        x, w = randn(0, (M, 16), F32), randn(1, (3, 16, 16), F32)
+        out = self.ragged_dot(x, w, jnp.asarray(sizes, jnp.int32))
+        assert_close(out, np_m_grouped(x, w, sizes), F32, name)
+
+    @pytest.mark.parametrize("offset, G_local", [(0, 2), (2, 3), (3, 2), (4, 1)])
+    def test_group_offset(self, offset, G_local):
+        global_sizes = [5, 0, 9, 6, 4]  # G_total = 5, M = 30: 6 unowned tail rows
+        M, K, N = 30, 16, 20
+        x, w, dy = randn(0, (M, K), F32), randn(1, (G_local, K, N), F32), randn(2, (M, N), F32)
+        gs = jnp.asarray(global_sizes, jnp.int32)
+
+        @jax.jit
+        def fwd(x, w, offset):
+            return self.ragged_dot(x, w, gs, group_offset=offset)
+
+        out, vjp = jax.vjp(fwd, x, w, jnp.int32(offset))
+        dx, dw, _ = vjp(dy)
+        # Oracle: a G_total weight with zeros outside the local slice.
+        w_full = np.zeros((len(global_sizes), K, N))
+        w_full[offset : offset + G_local] = np.asarray(w)
+        dx_ref, dw_ref = np_ragged_grads(x, w_full, global_sizes, dy)
+        assert_close(out, np_m_grouped(x, w_full, global_sizes), F32, "fwd")
+        assert_close(dx, dx_ref, F32, "dx")
+        assert_close(dw, dw_ref[offset : offset + G_local], F32, "dw")
+
+    def test_m_grouped_transposed_weight(self):
+        M, K, N, sizes = 29, 24, 18, [13, 0, 16]
+        x, w_nk, dy = randn(0, (M, K), BF16), randn(1, (3, N, K), BF16), randn(2, (M, N), BF16)
+        gs = jnp.asarray(sizes, jnp.int32)
+        fn = lambda x, w: api.m_grouped_mm(x, w, gs, transpose_w=True, backend=self.BACKEND)
+        out, vjp = jax.vjp(fn, x, w_nk)
+        dx, dw = vjp(dy)
+        w_kn = np.swapaxes(np.asarray(w_nk, np.float64), 1, 2)
+        dx_ref, dw_ref = np_ragged_grads(x, w_kn, sizes, dy)
+        assert_close(out, np_m_grouped(x, w_kn, sizes), BF16, "fwd")
+        assert_close(dx, dx_ref, BF16, "dx")
+        assert dw.shape == w_nk.shape
+        assert_close(dw, np.swapaxes(dw_ref, 1, 2), BF16, "dw (stored [G, N, K])")
+
+    @pytest.mark.parametrize("out_dtype", [F32, BF16], ids=str)
+    def test_k_grouped(self, out_dtype):
+        M, K, N, sizes = 45, 20, 36, [0, 17, 3, 20]  # an empty group and 5 unowned rows
+        a, b = randn(0, (M, K), BF16), randn(1, (M, N), BF16)
+        out = jax.jit(lambda a, b, gs: api.k_grouped_mm(a, b, gs, out_dtype=out_dtype, backend=self.BACKEND))(
+            a, b, jnp.asarray(sizes, jnp.int32)
+        )
+        assert out.dtype == out_dtype
+        assert_close(out, np_k_grouped(a, b, sizes), out_dtype, "k_grouped")
+        assert not np.asarray(out[0]).any(), "empty group must give exact zeros"
+
+    def test_k_grouped_accumulate_and_grads(self):
+        M, K, N, sizes = 40, 18, 26, [15, 0, 21]
+        a, b = randn(0, (M, K), F32), randn(1, (M, N), F32)
+        c, dout = randn(2, (3, K, N), F32), randn(3, (3, K, N), F32)
+        gs = jnp.asarray(sizes, jnp.int32)
+        fn = lambda a, b, c: api.k_grouped_mm(a, b, gs, accumulate=c, backend=self.BACKEND)
+        out, vjp = jax.vjp(jax.jit(fn), a, b, c)
+        da, db, dc = vjp(dout)
+        assert_close(out, np_k_grouped(a, b, sizes) + np.asarray(c, np.float64), F32, "c + a^T b")
+        np.testing.assert_array_equal(out[1], c[1], err_msg="empty group must leave the buffer unchanged")
+        # out[g] = a_g^T b_g: da_g = b_g dout[g]^T, db_g = a_g dout[g].
+        da_ref = np_m_grouped(b, np.swapaxes(np.asarray(dout, np.float64), 1, 2), sizes)
+        assert_close(da, da_ref, F32, "da")
+        assert_close(db, np_m_grouped(a, dout, sizes), F32, "db")
+        np.testing.assert_array_equal(dc, dout)
+
+    def test_second_order_grad(self):
+        M, K, N, sizes = 20, 16, 16, jnp.asarray([8, 12], jnp.int32)
+        x, w = randn(0, (M, K), F32), randn(1, (2, K, N), F32)
+
+        def gnorm(fn):
+            inner = lambda w: jnp.sum(fn(x, w, sizes) ** 2)
+            return lambda w: jnp.sum(jax.grad(inner)(w) ** 2)
+
+        ours = jax.grad(gnorm(self.ragged_dot))(w)
+        # jax.lax.ragged_dot has no second-order rule (ragged-contracting transpose); jnp autodiff does.
+        theirs = jax.grad(gnorm(lambda *a: jref.ragged_dot_reference(*a)))(w)
+        assert_close(ours, theirs, F32, "d/dw |d/dw loss|^2")
+
+    @no_launch
+    @pytest.mark.parametrize("M, K, N, G", [(0, 16, 16, 2), (12, 0, 16, 2), (12, 16, 0, 2), (12, 16, 16, 0)])
+    def test_zero_dims(self, M, K, N, G):
+        x, w = randn(0, (M, K), F32), randn(1, (G, K, N), F32)
+        sizes = jnp.full((G,), M // max(G, 1), jnp.int32)
+        out, vjp = jax.vjp(lambda x, w: self.ragged_dot(x, w, sizes), x, w)
+        dx, dw = vjp(jnp.ones_like(out))
+        assert out.shape == (M, N) and dx.shape == x.shape and dw.shape == w.shape
+        assert not np.asarray(out).any() and not np.asarray(dx).any() and not np.asarray(dw).any()
+
+
+def lax_ragged_dot_highest():
+    return lambda x, w, gs: jax.lax.ragged_dot(x, w, gs, precision=jax.lax.Precision.HIGHEST)
+
+
+class TestInterpret(JaxOpsTest):
+    BACKEND = "interpret"
+
+
+class TestReference(JaxOpsTest):
+    BACKEND = "reference"
+
+
+if jax.default_backend() == "gpu":
+
+    class TestTriton(JaxOpsTest):
+        BACKEND = "triton"
+
+
+# ---------------------------------------------------------------- dispatch and reference
+
+
+def test_backend_resolution_is_explicit():
+    assert api.resolve_backend("auto") == ("triton" if jax.default_backend() == "gpu" else "reference")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        api.resolve_backend("cuda")
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="JAX has no GPU|TRITON_INTERPRET"):
+            api.resolve_backend("triton")
+
+
+def test_argument_errors_name_the_problem():
+    x, w, gs = jnp.ones((4, 8)), jnp.ones((2, 8, 3)), jnp.asarray([2, 2], jnp.int32)
+    with pytest.raises(ValueError, match="matching K"):
+        api.ragged_dot(x, jnp.ones((2, 7, 3)), gs)
+    with pytest.raises(ValueError, match="G=2"):
+        api.ragged_dot(x, w, jnp.asarray([4], jnp.int32))
+    with pytest.raises(TypeError, match="integer"):
+        api.ragged_dot(x, w, jnp.asarray([2.0, 2.0]))
+    with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
+        api.ragged_dot(x.astype(jnp.int32), w.astype(jnp.int32), gs)
+    with pytest.raises(ValueError, match="float32"):
+        api.k_grouped_mm(x, x, gs, accumulate=jnp.ones((2, 8, 8), jnp.bfloat16))
+
+
+def test_auto_reference_matches_lax_ragged_dot_exactly_shaped():
+    """The CPU fallback is a drop-in: same dtype promotion and output dtype as jax.lax.ragged_dot."""
+    x, w, gs = randn(0, (10, 8), F32), randn(1, (2, 8, 4), BF16), jnp.asarray([4, 5], jnp.int32)
+    ours = api.ragged_dot(x, w, gs, backend="reference")
+    theirs = jax.lax.ragged_dot(x, w, gs, precision=jax.lax.Precision.HIGHEST)
+    assert ours.dtype == theirs.dtype
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_group_bounds_doc_example():
+    starts, ends = jref.group_bounds(jnp.asarray([3, 0, 4]), 10)
+    assert starts.tolist() == [0, 3, 3] and ends.tolist() == [3, 3, 7]
+    starts, ends = jref.group_bounds(jnp.asarray([8, -2, 5]), 10)
+    assert starts.tolist() == [0, 8, 8] and ends.tolist() == [8, 8, 10]
+    first, local = jref.local_groups(jnp.asarray([3, 2, 4, 1]), jnp.int32(1), 2, 10)
+    assert int(first) == 3 and local.tolist() == [2, 4]
+    # Saturating prefix sums stay exact at the int32 limit (a plain cumsum would wrap negative).
+    big = 2**31 - 1
+    starts, ends = jref.group_bounds(jnp.asarray([big, 5, big], jnp.int32), big)
+    assert starts.tolist() == [0, big, big] and ends.tolist() == [big, big, big]
+
+
+@pytest.mark.parametrize("which", ["m_grouped", "m_grouped_transposed", "k_grouped", "k_grouped_accumulate"])
+def test_launch_matches_kernel_signature(which):
+    """The GPU glue's contract with jax-triton, checked without a GPU: arrays then Python scalars in
+    parameter order, the output pointer last and left out, every meta key a constexpr or launch option."""
+    import inspect
+
+    from moegemm.jax import _launch
+
+    x, gs = jnp.ones((10, 6), BF16), jnp.asarray([4, 6], jnp.int32)
+    if which.startswith("m_grouped"):
+        transposed = which.endswith("transposed")
+        w = jnp.ones((2, 5, 6) if transposed else (2, 6, 5), BF16)
+        call = _launch.m_grouped_call(
+            x, w, gs, transpose_w=transposed, out_dtype=F32, target=_launch.INTERPRET
+        )
+        strides = (
+            dict(stride_wg=30, stride_wk=1, stride_wn=6)
+            if transposed
+            else dict(stride_wg=30, stride_wk=5, stride_wn=1)
+        )
+    else:
+        c = jnp.zeros((2, 6, 5), F32) if which.endswith("accumulate") else None
+        call = _launch.k_grouped_call(
+            x, jnp.ones((10, 5), BF16), gs, c, out_dtype=F32, target=_launch.INTERPRET
+        )
+        strides = dict(
+            stride_og=30, stride_ok=5, stride_on=1, stride_am=6, stride_ak=1, stride_bm=5, stride_bn=1
+        )
+        assert call.input_output_aliases == ({} if c is None else {3: 0})
+    params = inspect.signature(call.kernel.fn).parameters
+    runtime = [n for n, p in params.items() if "constexpr" not in str(p.annotation)]
+    constexprs = {n for n, p in params.items() if "constexpr" in str(p.annotation)}
+    assert runtime[-1] == "out_ptr" and len(call.args) == len(runtime) - 1
+    named = dict(zip(runtime, call.args))
+    for name, value in named.items():
+        if name.endswith("_ptr"):
+            assert isinstance(value, jax.Array), name
+        else:
+            assert type(value) is int, f"{name}={value!r}: jax-triton takes Python scalars only"
+    assert {k: named[k] for k in strides} == strides
+    assert set(call.meta) <= constexprs | {"num_warps", "num_stages"}
+    assert constexprs <= set(call.meta)
