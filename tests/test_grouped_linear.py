@@ -260,6 +260,18 @@ class GroupedLinearTest:
         ):
             parent.load_state_dict(per_expert)
 
+    def test_init(self):
+        module = self.make()
+        bound = 1 / K**0.5  # nn.Linear's default, per expert
+        assert module.weight.abs().max() <= bound and module.bias.abs().max() <= bound
+        assert module.weight.std() > bound / 4, "weight left uninitialized"
+        seen = []
+        module = self.make(init_method=lambda w: seen.append(tuple(w.shape)) or w.fill_(len(seen)))
+        assert seen == [(N, K)] * G, "init_method runs once per expert on its [N, K] weight"
+        assert [module.weight[g].unique().tolist() for g in range(G)] == [[1.0], [2.0], [3.0], [4.0]]
+        assert torch.equal(module.bias, torch.zeros(G, N, device=DEVICE)), "TE zeroes the bias"
+        assert "num_groups=4, in_features=24, out_features=20, bias=True" in repr(module)
+
     def test_compile_fullgraph_moe_block(self):
         torch.manual_seed(0)
         block = MoEBlock(self.BACKEND)

@@ -38,7 +38,7 @@ from moegemm.torch.api import (
 __all__ = ["GroupedLinear"]
 
 
-@torch.library.custom_op("moegemm::m_grouped_mm_into", mutates_args=("out",))
+@torch.library.custom_op("moegemm::grouped_linear_mm_into", mutates_args=("out",))
 def _m_grouped_mm_into(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, out: torch.Tensor,
                        backend: str) -> None:  # fmt: skip
     """m_grouped_mm written into a caller's [M, N] buffer (GroupedLinear's ``out=``)."""
