@@ -173,7 +173,7 @@ def time_host_overhead(device: str, calls: int = 200, warmup: int = 20) -> list[
         torch.cat([lin(part) for lin, part in zip(experts, x.split(sizes))]).backward(dy)
 
     variants = {
-        "GroupedLinear, CUDA group_sizes": lambda: module(x, gs).backward(dy),
+        "GroupedLinear, device group_sizes": lambda: module(x, gs).backward(dy),
         "GroupedLinear, list group_sizes": lambda: module(x, sizes).backward(dy),
         "nn.Linear loop (host sizes)": loop_call,
     }
