@@ -1,0 +1,190 @@
+"""``python -m moegemm.bench`` / ``moegemm-bench``: the grouped-GEMM benchmark CLI.
+
+Without CUDA the CLI sets TRITON_INTERPRET=1 before anything imports triton, so moegemm's kernels run
+under the interpreter on the tiny suite (``shapes.TINY``); timings there only prove the path runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+OPS = ("fwd", "dgrad", "wgrad")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="moegemm-bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--cases", help="comma-separated case names from moegemm.shapes (default: SUITE on "
+                   "CUDA, TINY on CPU); 'suite', 'tiny' and 'all' name whole sets")  # fmt: skip
+    p.add_argument("--ops", default="fwd,dgrad,wgrad", help="comma-separated subset of fwd,dgrad,wgrad")
+    p.add_argument("--impls", help="comma-separated impl names (default: all registered)")
+    p.add_argument(
+        "--split",
+        default="dirichlet",
+        choices=["dirichlet", "balanced", "one-hot"],
+        help="group sizes via shapes.group_sizes (dirichlet: seeded skew, G/16 experts empty)",
+    )
+    p.add_argument("--jagged-splits", help="explicit group sizes, e.g. 100,0,28: G=len, M=sum; K, N per case")
+    p.add_argument("--seed", type=int, default=0)
+    te = p.add_argument_group("TransformerEngine-style case (replaces --cases; runs fc1 and fc2)")
+    te.add_argument("--num-experts", type=int)
+    te.add_argument("--ep-size", type=int, default=1)
+    te.add_argument("--hidden-dim", type=int)
+    te.add_argument("--expert-dim", type=int)
+    te.add_argument("--tokens", type=int, help="routed tokens per rank (M)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda if available")
+    p.add_argument(
+        "--quick", action="store_true", help="shorter timing budgets (warm-up 10 ms, 40 ms of reps)"
+    )
+    p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/<device>-<date>.json)")
+    p.add_argument("--plot", type=Path, help="PNG path (default: the JSON path with .png)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--tune", action="store_true", help="time every moegemm candidate config per case/op and "
+                   "write the best into src/moegemm/configs/<device>.json")  # fmt: skip
+    p.add_argument("--cache-dir", type=Path, help="where --tune writes <device>.json (default: the committed "
+                   "src/moegemm/configs/; elsewhere, the file starts as a copy of the committed one)")  # fmt: skip
+    p.add_argument("--overhead", action="store_true", help="also measure host time per call on a tiny shape")
+    return p.parse_args(argv)
+
+
+def _csv(text: str | None) -> list[str]:
+    return [t.strip() for t in (text or "").split(",") if t.strip()]
+
+
+def select_cases(args, shapes, cuda: bool):
+    te = [args.num_experts, args.hidden_dim, args.expert_dim, args.tokens]
+    if any(v is not None for v in te):
+        if not all(v is not None for v in te):
+            raise SystemExit("TE-style cases need --num-experts, --hidden-dim, --expert-dim and --tokens")
+        if args.cases:
+            raise SystemExit("give either --cases or the TE-style options, not both")
+        return [shapes.te_case(args.num_experts, args.ep_size, args.hidden_dim, args.expert_dim, args.tokens, fc)
+                for fc in (1, 2)]  # fmt: skip
+    sets = {"suite": shapes.SUITE, "tiny": shapes.TINY, "all": shapes.ALL}
+    names = _csv(args.cases)
+    if not names:
+        return list(shapes.SUITE if cuda else shapes.TINY)
+    cases = []
+    for name in names:
+        try:
+            cases.extend(sets[name] if name in sets else [shapes.get(name)])
+        except KeyError as exc:
+            raise SystemExit(str(exc)) from None
+    return cases
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    cuda = args.device != "cpu" and torch.cuda.is_available()
+    if args.device == "cuda" and not cuda:
+        raise SystemExit("--device cuda asked for, but torch.cuda.is_available() is False")
+    if not cuda:
+        # Must precede the first triton import: @triton.jit picks the interpreter at decoration time.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from moegemm import shapes
+    from moegemm.bench import harness, registry, report, timing
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)  # piped or captured: do not fold the table to 80 columns
+    device = torch.device("cuda" if cuda else "cpu")
+    ops = _csv(args.ops)
+    if not ops or set(ops) - set(OPS):
+        raise SystemExit(f"--ops takes a comma-separated subset of {OPS}, got {args.ops!r}")
+    jagged = shapes.parse_jagged(args.jagged_splits) if args.jagged_splits else None
+    if jagged is not None and (not jagged or min(jagged) < 0):
+        raise SystemExit(f"--jagged-splits needs non-negative sizes, got {args.jagged_splits!r}")
+    impls = registry.select(_csv(args.impls) or (["moegemm"] if args.tune else None))
+    env = harness.Environment.detect(device)
+    spec = harness.RunSpec(
+        cases=select_cases(args, shapes, cuda), ops=ops, impls=impls, device=device,
+        dtype=harness.DTYPES[args.dtype], split=args.split, seed=args.seed, jagged=jagged,
+        timing=timing.TimingConfig.quick() if args.quick else timing.TimingConfig(),
+    )  # fmt: skip
+    if not cuda:
+        console.print("[yellow]No CUDA: moegemm runs under the Triton interpreter "
+                      f"(TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}) on CPU tensors; "
+                      "timings are not meaningful.[/]")  # fmt: skip
+    if args.tune and not (cuda and torch.cuda.get_device_capability(device) == (9, 0)):
+        raise SystemExit("--tune writes sm90 configs and needs a Hopper (sm90) GPU")
+
+    started = time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:  # fmt: skip
+        n = harness.steps(spec)
+        if args.tune:
+            from moegemm import configs
+            from moegemm.bench import tune
+
+            n = len(spec.cases) * sum(len(configs.candidates(tune.OP_KIND[op], "sm90")) for op in ops)
+        task = bar.add_task("benchmark", total=n)
+        calls = [0]
+
+        def progress(desc: str) -> None:
+            if desc.startswith("note:"):
+                bar.console.print(desc)
+                return
+            bar.update(task, description=desc[:70], completed=calls[0])
+            calls[0] += 1
+
+        cache_path = None
+        if args.tune:
+            records, cache_path = tune.tune(
+                spec, env, target="sm90", progress=progress, cache_dir=args.cache_dir or configs.CACHE_DIR
+            )
+        else:
+            records = harness.run(spec, env, progress)
+    elapsed = time.perf_counter() - started
+
+    title = f"{env.device} | {args.dtype} | split {records[0]['split'] if records else args.split} | " \
+            f"torch {env.torch} triton {env.triton}"  # fmt: skip
+    console.print(report.table(records, title))
+    summ = report.summary(records)
+    if not args.tune:
+        console.print(report.summary_line(summ))
+    overhead_rows = None
+    if args.overhead:
+        from moegemm.bench import overhead
+
+        overhead_rows = overhead.measure(device, spec.dtype)
+        console.print(overhead.line(overhead_rows, device))
+    stem = f"{env.device_slug}-{env.date}" + ("-tune" if args.tune else "")
+    out = args.out or Path("benchmarks/results") / f"{stem}.json"
+    meta = {
+        "device": env.device, "device_slug": env.device_slug, "date": env.date, "torch": env.torch,
+        "triton": env.triton, "driver": env.driver, "cuda": env.cuda, "python": sys.version.split()[0],
+        "argv": list(sys.argv[1:] if argv is None else argv), "dtype": args.dtype, "ops": ops,
+        "split": records[0]["split"] if records else args.split, "seed": args.seed,
+        "impls": [i.name for i in impls], "impls_unavailable": dict(registry.UNAVAILABLE),
+        "timing": timing.method(device) + (" (--quick)" if args.quick else ""),
+        "timing_config": dataclasses.asdict(spec.timing),
+        "roofline": {"peak_flops": report.roofline.PEAK_FLOPS, "peak_bytes_per_s": report.roofline.PEAK_BYTES_PER_S},
+        "cases": {c.name: {"G": c.G, "M": c.M, "K": c.K, "N": c.N} for c in spec.cases},
+        "summary": summ, "overhead": overhead_rows, "elapsed_s": elapsed,
+        "tuned_cache": str(cache_path) if cache_path else None,
+        "tuned": {r["cache_key"]: r["config"] for r in records if r.get("best")} if args.tune else None,
+    }  # fmt: skip
+    path = report.write_json(out, meta, records)
+    console.print(f"wrote {path}")
+    if cache_path is not None and cache_path.exists():
+        console.print(f"wrote tuned configs to {cache_path}")
+    if not args.no_plot and records:
+        console.print(f"wrote {report.plot(args.plot or path.with_suffix('.png'), records, title)}")
+    console.print(f"done in {elapsed:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

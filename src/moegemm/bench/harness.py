@@ -1,0 +1,251 @@
+"""Check, then time, one (case, op, impl); and the loop over the suite.
+
+Correctness comes first: each impl's first output (on input copy 0, output buffers NaN-poisoned) is
+compared with an fp32 oracle (fp64 on CPU) by relative Frobenius error against the dtype's tolerance
+in ``moegemm.testing.REL_TOL``. A failing impl is recorded as failed and not timed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import functools
+import platform
+import subprocess
+from collections.abc import Callable, Iterable
+
+import torch
+import triton
+
+from moegemm import shapes, testing
+from moegemm.bench import roofline, timing
+from moegemm.bench.problem import Problem, make_problem
+from moegemm.bench.registry import Impl
+from moegemm.torch import _ops
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+TORCH_PEER = "torch._grouped_mm"
+RELERR_CHUNK = 2**26  # elements per fp64 chunk in relerr
+
+
+@dataclasses.dataclass(frozen=True)
+class Environment:
+    device: str
+    device_slug: str
+    date: str
+    torch: str
+    triton: str
+    driver: str | None
+    cuda: str | None
+
+    @classmethod
+    def detect(cls, device: torch.device) -> Environment:
+        from moegemm import configs
+
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{platform.machine()}"
+        return cls(
+            device=name, device_slug=configs.device_slug(name),
+            date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+            torch=torch.__version__, triton=triton.__version__,
+            driver=_driver_version() if device.type == "cuda" else None, cuda=torch.version.cuda,
+        )  # fmt: skip
+
+
+def _driver_version() -> str | None:
+    try:
+        cmd = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        return (
+            subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.split("\n")[0].strip()
+            or None
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def relerr(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``moegemm.testing.relerr``; above 2^26 elements the same formula in chunks, to bound fp64 memory."""
+    if tuple(out.shape) != tuple(ref.shape):
+        return float("inf")
+    if out.numel() <= RELERR_CHUNK:
+        return testing.relerr(out, ref)
+    diff2 = ref2 = 0.0
+    for o, r in zip(out.reshape(-1).split(RELERR_CHUNK), ref.reshape(-1).split(RELERR_CHUNK)):
+        o, r = o.double(), r.double()
+        if torch.isnan(o).any():
+            return float("inf")
+        diff2 += (o - r).square().sum().item()
+        ref2 += r.square().sum().item()
+    return (diff2 / ref2) ** 0.5 if ref2 > 0 else diff2**0.5
+
+
+def _nan_empty(*size, dtype=None, device=None, **kwargs):
+    out = torch.empty(*size, dtype=dtype, device=device, **kwargs)
+    return out.fill_(float("nan")) if out.is_floating_point() else out
+
+
+@contextlib.contextmanager
+def poisoned_outputs(device: torch.device, nbytes: int):
+    """NaN in every buffer moegemm allocates (its ``_ops.empty`` hook), and a freed NaN block of the
+    output's size left in the caching allocator, so an impl that skips tiles cannot pass on a stale
+    copy of an earlier impl's correct output."""
+    if device.type == "cuda":
+        torch.empty(nbytes // 4 + 1, dtype=torch.float32, device=device).fill_(float("nan"))
+    saved, _ops.empty = _ops.empty, _nan_empty
+    try:
+        yield
+    finally:
+        _ops.empty = saved
+
+
+@contextlib.contextmanager
+def config_spy(seen: list[dict]):
+    """Wraps ``configs.pick_config`` (whatever it is now, e.g. tune's forced one) and appends each call's
+    arguments, returned config and cache key to ``seen``; the launchers look it up through the module."""
+    from moegemm import configs
+
+    inner = configs.pick_config
+
+    def spy(op, target, **kw):
+        config = inner(op, target, **kw)
+        key = configs.cache_key(
+            op, kw.get("dtype", ""), kw.get("G", 0), kw.get("N", 0), kw.get("K", 0), kw.get("M", 0)
+        )
+        seen.append({"op": op, "target": target, **kw, "config": config, "cache_key": key})
+        return config
+
+    configs.pick_config = spy
+    try:
+        yield seen
+    finally:
+        configs.pick_config = inner
+
+
+def _reason(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+    return text[:300]
+
+
+def base_record(problem: Problem, op: str, impl: str, env: Environment) -> dict:
+    case = problem.case
+    itemsize = problem.copies[0].x.element_size()
+    fl = roofline.floor(case, op, itemsize)
+    return {
+        "case": case.name, "op": op, "impl": impl, "status": None, "reason": None, "backend": None,
+        "G": case.G, "M": case.M, "K": case.K, "N": case.N, "dtype": str(problem.dtype).removeprefix("torch."),
+        "split": problem.split, "ms": None, "tflops": None, "floor_tflops": fl.tflops, "floor_bound": fl.bound,
+        "pct_floor": None, "relerr": None, "tol": testing.REL_TOL[problem.dtype], "peak_mb": None,
+        "speedup": {}, "vs_torch": None, "timing": None, "copies": len(problem.copies),
+        "device": env.device, "date": env.date, "torch": env.torch, "triton": env.triton,
+        "driver": env.driver,
+    }  # fmt: skip
+
+
+def measure(
+    problem: Problem, op: str, impl: Impl, env: Environment, *, tcfg: timing.TimingConfig,
+    reference: Callable[[], torch.Tensor],
+) -> dict:  # fmt: skip
+    """One record: skipped (reason), failed (error or relerr > tol), or ok (checked, then timed)."""
+    rec = base_record(problem, op, impl.name, env)
+    if impl.name == "moegemm":
+        from moegemm.bench.impls_torch import backend_label
+
+        rec["backend"] = backend_label(problem.device)
+    if op not in impl.ops:
+        return {**rec, "status": "skipped", "reason": f"{impl.name} does not implement {op}"}
+    why = impl.available(problem, op)
+    if why:
+        return {**rec, "status": "skipped", "reason": why}
+    try:
+        fn = impl.prepare(problem, op)
+        ref = impl.reference(problem, op) if impl.reference is not None else reference()
+        seen: list[dict] = []
+        with (
+            poisoned_outputs(problem.device, ref.numel() * problem.copies[0].x.element_size()),
+            config_spy(seen),
+        ):
+            out, peak_mb = timing.call_with_peak_mb(fn, problem.device)
+        if seen:  # the tile config moegemm's launcher picked (tuned cache hit or table default)
+            rec.update(config=dataclasses.asdict(seen[0]["config"]), cache_key=seen[0]["cache_key"])
+        if not isinstance(out, torch.Tensor):
+            out = torch.from_dlpack(out)  # e.g. a jax.Array
+        err = relerr(out, ref)
+        del out
+    except Exception as exc:  # noqa: BLE001 - any failure of a peer is a result to report
+        return {**rec, "status": "failed", "reason": _reason(exc)}
+    rec.update(relerr=err, peak_mb=peak_mb)
+    if not err <= rec["tol"]:
+        return {**rec, "status": "failed", "reason": f"relerr {err:.3e} > tol {rec['tol']:.1e}"}
+    try:
+        ms = timing.median_ms(fn, problem.device, impl.clock, tcfg)
+    except Exception as exc:  # noqa: BLE001
+        return {**rec, "status": "failed", "reason": "timing: " + _reason(exc)}
+    tf = roofline.tflops(problem.case, op, ms)
+    return {
+        **rec, "status": "ok", "ms": ms, "tflops": tf, "pct_floor": 100 * tf / rec["floor_tflops"],
+        "timing": timing.method(problem.device, impl.clock),
+    }  # fmt: skip
+
+
+def add_speedups(records: list[dict]) -> None:
+    """speedup[peer] = peer ms / this ms within each (case, op); vs_torch is the torch._grouped_mm one."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["case"], r["op"], r["split"]), []).append(r)
+    for group in groups.values():
+        ok = [r for r in group if r["status"] == "ok"]
+        for r in ok:
+            r["speedup"] = {p["impl"]: p["ms"] / r["ms"] for p in ok if p is not r}
+            r["vs_torch"] = r["speedup"].get(TORCH_PEER)
+
+
+def lazy(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """Computes the oracle on first use only, so an op whose impls all skip costs nothing."""
+    box: list[torch.Tensor] = []
+    return lambda: box[0] if box else (box.append(fn()) or box[0])
+
+
+@dataclasses.dataclass
+class RunSpec:
+    cases: list[shapes.Case]
+    ops: list[str]
+    impls: list[Impl]
+    device: torch.device
+    dtype: torch.dtype = torch.bfloat16
+    split: str = "dirichlet"
+    seed: int = 0
+    jagged: list[int] | None = None
+    timing: timing.TimingConfig = dataclasses.field(default_factory=timing.TimingConfig)
+
+
+def run(spec: RunSpec, env: Environment, progress: Callable[[str], None] = lambda _: None) -> list[dict]:
+    records = []
+    for case in spec.cases:
+        problem = make_problem(
+            case, device=spec.device, dtype=spec.dtype, split=spec.split, seed=spec.seed,
+            jagged=spec.jagged, ops=spec.ops,
+        )  # fmt: skip
+        for op in spec.ops:
+            reference = lazy(functools.partial(problem.reference, op))
+            for impl in spec.impls:
+                progress(f"{problem.case.name} {op} {impl.name}")
+                records.append(measure(problem, op, impl, env, tcfg=spec.timing, reference=reference))
+            del reference
+            _free(spec.device)
+        del problem
+        _free(spec.device)
+    add_speedups(records)
+    return records
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def steps(spec: RunSpec) -> int:
+    return len(spec.cases) * len(spec.ops) * len(spec.impls)
+
+
+def iter_ok(records: Iterable[dict], impl: str) -> Iterable[dict]:
+    return (r for r in records if r["impl"] == impl and r["status"] == "ok")

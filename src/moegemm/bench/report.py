@@ -1,0 +1,131 @@
+"""Everything a run shows or writes: the rich table, the summary line, the JSON file and the plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from moegemm.bench import roofline
+from moegemm.bench.harness import TORCH_PEER
+
+RECORD_FIELDS = (
+    "case", "op", "impl", "status", "reason", "backend", "G", "M", "K", "N", "dtype", "split",
+    "ms", "tflops", "floor_tflops", "floor_bound", "pct_floor", "relerr", "tol", "peak_mb",
+    "speedup", "vs_torch", "timing", "copies", "device", "date", "torch", "triton", "driver",
+    "config", "cache_key",
+)  # fmt: skip
+SUBJECT = "moegemm"
+GOAL_PCT_FLOOR = 85.0
+
+
+def _fmt(value, spec: str, none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def table(records: list[dict], title: str = ""):
+    from rich.table import Table
+
+    t = Table(title=title, show_lines=False)
+    for col, justify in [("case", "left"), ("op", "left"), ("impl", "left"), ("ms", "right"),
+                         ("TF/s", "right"), ("floor TF/s", "right"), ("% floor", "right"),
+                         ("x vs torch", "right"), ("relerr", "right"), ("peak MB", "right"),
+                         ("note", "left")]:  # fmt: skip
+        t.add_column(col, justify=justify, overflow="fold", no_wrap=col != "note")
+    t.caption = (
+        f"x vs torch: {TORCH_PEER} ms / this ms (> 1 is faster); floor: roofline, (com)pute or (mem)ory"
+    )
+    previous = None
+    for r in records:
+        key = (r["case"], r["op"])
+        first = key != previous
+        if first and previous is not None:
+            t.add_section()
+        previous = key
+        style = {"ok": None, "failed": "red", "skipped": "dim"}[r["status"]]
+        impl = r["impl"] + (f" [{r['backend']}]" if r.get("backend") else "")
+        if "best" in r:
+            impl += " " + "x".join(str(v) for v in r["config"].values()) + (" *" if r.get("best") else "")
+        t.add_row(
+            r["case"] if first else "", r["op"] if first else "", impl, _fmt(r["ms"], ".4f"),
+            _fmt(r["tflops"], ".1f" if (r["tflops"] or 0) >= 10 else ".3g"), f"{r['floor_tflops']:.0f} ({r['floor_bound'][:3]})" if first else "",
+            _fmt(r["pct_floor"], ".0f"), _fmt(r["vs_torch"], ".2f"), _fmt(r["relerr"], ".1e"),
+            _fmt(r["peak_mb"], ".0f"), "" if r["status"] == "ok" else f"{r['status']}: {r['reason']}",
+            style=style,
+        )  # fmt: skip
+    return t
+
+
+def summary(records: list[dict]) -> dict:
+    """Geometric-mean speedup of moegemm over torch._grouped_mm and the goal counts, over (case, op)."""
+    mine = [r for r in records if r["impl"] == SUBJECT and r["status"] == "ok"]
+    ratios = [r["vs_torch"] for r in mine if r["vs_torch"] is not None]
+    keys = {(r["case"], r["op"]) for r in records}
+    both = [r for r in mine if r["vs_torch"] is not None]
+    return {
+        "case_ops": len(keys),
+        "moegemm_ok": len(mine),
+        "moegemm_failed": sum(r["impl"] == SUBJECT and r["status"] == "failed" for r in records),
+        "compared": len(ratios),
+        "geomean_vs_torch": math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None,
+        "ge_1x_torch": sum(r >= 1.0 for r in ratios),
+        "ge_85pct_floor": sum(r["pct_floor"] >= GOAL_PCT_FLOOR for r in mine),
+        "both": sum(r["vs_torch"] >= 1.0 and r["pct_floor"] >= GOAL_PCT_FLOOR for r in both),
+    }
+
+
+def summary_line(s: dict) -> str:
+    geo = "n/a (no torch._grouped_mm to compare)" if s["geomean_vs_torch"] is None else (
+        f"{s['geomean_vs_torch']:.3f}x over {s['compared']} case-ops")  # fmt: skip
+    return (
+        f"moegemm vs {TORCH_PEER}: geomean {geo}; {s['ge_1x_torch']}/{s['compared']} at >= 1.0x torch, "
+        f"{s['ge_85pct_floor']}/{s['moegemm_ok']} at >= {GOAL_PCT_FLOOR:.0f}% of floor, {s['both']} both; "
+        f"moegemm ok {s['moegemm_ok']}/{s['case_ops']}, failed {s['moegemm_failed']}"
+    )
+
+
+def write_json(path: Path, meta: dict, records: list[dict]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [{k: r.get(k) for k in RECORD_FIELDS} | {k: v for k, v in r.items() if k not in RECORD_FIELDS}
+            for r in records]  # fmt: skip
+    path.write_text(json.dumps({"meta": meta, "records": rows}, indent=1, default=str) + "\n")
+    return path
+
+
+def plot(path: Path, records: list[dict], title: str = "") -> Path:
+    """One panel per op: TF/s per case, one bar per impl, the roofline floor as a black tick."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = [op for op in roofline.OPS if any(r["op"] == op for r in records)]
+    cases = list(dict.fromkeys(r["case"] for r in records))
+    impls = list(dict.fromkeys(r["impl"] for r in records))
+    fig, axes = plt.subplots(len(ops), 1, figsize=(max(6, 1.6 * len(cases) * max(1, len(impls) / 4)),
+                                                   3.2 * len(ops)), squeeze=False)  # fmt: skip
+    width = 0.8 / max(1, len(impls))
+    for ax, op in zip(axes[:, 0], ops):
+        by = {(r["case"], r["impl"]): r for r in records if r["op"] == op}
+        for i, impl in enumerate(impls):
+            xs = [c + (i - (len(impls) - 1) / 2) * width for c in range(len(cases))]
+            ys = [(by.get((case, impl)) or {}).get("tflops") or 0.0 for case in cases]
+            ax.bar(xs, ys, width, label=impl)
+        for c, case in enumerate(cases):
+            floor = next((r["floor_tflops"] for r in records if r["case"] == case and r["op"] == op), None)
+            if floor is not None:
+                ax.hlines(floor, c - 0.45, c + 0.45, colors="black", linewidth=2,
+                          label="roofline floor" if c == 0 else None)  # fmt: skip
+        ax.set_xticks(range(len(cases)), cases, rotation=20, ha="right", fontsize=8)
+        ax.set_ylabel(f"{op} TF/s")
+        ax.grid(axis="y", alpha=0.3)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, ncols=min(6, len(labels)), loc="upper center")
+    fig.suptitle(title, fontsize=9, y=0.995)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

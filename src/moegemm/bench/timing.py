@@ -1,0 +1,75 @@
+"""Timing and memory of one callable.
+
+GPU ("events"): ``triton.testing.do_bench`` (CUDA events on the current stream, warm-up runs
+excluded, the L2 flushed before every run, median). "wall": median perf_counter of calls that block
+themselves (JAX's block_until_ready). CPU: median of a few perf_counter runs; not meaningful for
+performance, it only proves the path runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class TimingConfig:
+    warmup_ms: float = 25.0
+    rep_ms: float = 100.0
+    cpu_reps: int = 3
+
+    @classmethod
+    def quick(cls) -> TimingConfig:
+        return cls(warmup_ms=10.0, rep_ms=40.0, cpu_reps=1)
+
+
+def method(device: torch.device, clock: str = "events") -> str:
+    if device.type == "cpu":
+        return "perf_counter median (CPU: not meaningful)"
+    return "cuda-events median (triton do_bench)" if clock == "events" else "wall-clock median (blocking)"
+
+
+def median_ms(fn, device: torch.device, clock: str, cfg: TimingConfig) -> float:
+    if device.type == "cuda" and clock == "events":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median"))
+    if device.type == "cuda":
+        return _wall_ms(fn, reps=None, cfg=cfg, sync=torch.cuda.synchronize)
+    return _wall_ms(fn, reps=cfg.cpu_reps, cfg=cfg, sync=lambda: None)
+
+
+def _wall_ms(fn, *, reps: int | None, cfg: TimingConfig, sync) -> float:
+    """Median wall time; reps=None sizes warm-up and reps from the ms budgets like do_bench."""
+    if reps is None:
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        estimate = max(time.perf_counter() - start, 1e-6) * 1e3
+        for _ in range(max(1, int(cfg.warmup_ms / estimate))):
+            fn()
+        reps = max(3, int(cfg.rep_ms / estimate))
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def call_with_peak_mb(fn, device: torch.device):
+    """(output, peak MB allocated above the pre-call level during one call); MB is None off CUDA."""
+    if device.type != "cuda":
+        return fn(), None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    out = fn()
+    torch.cuda.synchronize(device)
+    return out, (torch.cuda.max_memory_allocated(device) - base) / 2**20

@@ -1,0 +1,191 @@
+"""The benchmark harness on CPU: the CLI end to end on a TINY case, the roofline, the splits, tuning."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from moegemm import configs, shapes, testing
+from moegemm.bench import __main__ as cli
+from moegemm.bench import harness, registry, report, roofline, tune
+from moegemm.bench.problem import make_problem
+
+# Anchor floors (TF/s-equivalent) from the H100 baseline table, fwd, bf16.
+ANCHOR_FLOORS = {
+    "dsv3-ep8-fc1": (740, "compute"), "dsv3-ep8-fc2": (740, "compute"),
+    "qwen3-30b-fc1": (335, "memory"), "qwen3-30b-fc2": (312, "memory"),
+    "gptoss-120b-fc1": (360, "memory"), "mixtral-fc1": (740, "compute"),
+    "finegrain-e64-fc1": (740, "compute"), "finegrain-e256-fc2": (473, "memory"),
+}  # fmt: skip
+
+
+def _env():
+    return harness.Environment.detect(torch.device("cpu"))
+
+
+# ---------------------------------------------------------------- roofline
+
+
+@pytest.mark.parametrize("name", sorted(ANCHOR_FLOORS))
+def test_roofline_matches_anchor(name):
+    want, bound = ANCHOR_FLOORS[name]
+    fl = roofline.floor(shapes.get(name), "fwd")
+    assert fl.bound == bound
+    assert abs(fl.tflops - want) < 1.5, fl
+
+
+def test_roofline_qwen3_fc1_by_hand():
+    case = shapes.get("qwen3-30b-fc1")
+    weights = 128 * 1536 * 2048 * 2
+    assert roofline.op_bytes(case, "fwd") == 2 * (16384 * 2048 + 16384 * 1536) + weights
+    assert weights / 1e6 == pytest.approx(805.3, abs=0.1)  # "805 MB of weights"
+    # All three ops touch x, dy-or-out and all weights once: the same bytes, the same floor.
+    assert all(roofline.floor(case, op).tflops == pytest.approx(335.1, abs=0.1) for op in roofline.OPS)
+    assert roofline.floor(shapes.get("dsv3-ep8-fc1"), "wgrad").tflops == pytest.approx(740)
+    assert roofline.tflops(case, "fwd", ms=1.0) == pytest.approx(case.flops / 1e-3 / 1e12)
+    with pytest.raises(ValueError, match="op must be"):
+        roofline.floor(case, "bwd")
+
+
+# ---------------------------------------------------------------- group splits
+
+
+def test_splits_dirichlet_balanced_jagged():
+    case = shapes.get("tiny-qwen3-fc2")  # G=16 -> one empty expert
+    dev = torch.device("cpu")
+    p = make_problem(case, device=dev, split="dirichlet", seed=3)
+    assert sum(p.sizes) == case.M and len(p.sizes) == case.G and p.sizes.count(0) >= case.G // 16
+    assert p.sizes == make_problem(case, device=dev, split="dirichlet", seed=3).sizes  # seeded
+    assert p.sizes != make_problem(case, device=dev, split="dirichlet", seed=4).sizes
+    assert p.group_sizes.tolist() == p.sizes and p.offsets[-1] == case.M
+    b = make_problem(case, device=dev, split="balanced")
+    assert b.sizes == [case.M // case.G] * case.G and b.split == "balanced"
+    j = make_problem(case, device=dev, jagged=[100, 0, 28])
+    assert (j.case.G, j.case.M, j.case.K, j.case.N) == (3, 128, case.K, case.N)
+    assert (
+        j.sizes == [100, 0, 28]
+        and j.split == "jagged:100,0,28"
+        and j.bounds == [(0, 100), (100, 100), (100, 128)]
+    )
+    x, w, dy = j.copies[0]
+    assert x.shape == (128, case.K) and w.shape == (3, case.N, case.K) and dy.shape == (128, case.N)
+
+
+def test_select_cases_te_style_and_names():
+    args = cli.parse_args(["--num-experts", "64", "--ep-size", "8", "--hidden-dim", "2048",
+                           "--expert-dim", "768", "--tokens", "4096"])  # fmt: skip
+    fc1, fc2 = cli.select_cases(args, shapes, cuda=True)
+    assert (fc1.G, fc1.M, fc1.K, fc1.N) == (8, 4096, 2048, 768) and (fc2.K, fc2.N) == (768, 2048)
+    assert cli.select_cases(cli.parse_args([]), shapes, cuda=False) == list(shapes.TINY)
+    assert cli.select_cases(cli.parse_args([]), shapes, cuda=True) == list(shapes.SUITE)
+    assert [c.name for c in cli.select_cases(cli.parse_args(["--cases", "tiny-odd,mixtral-fc1"]), shapes, True)] == [
+        "tiny-odd", "mixtral-fc1"]  # fmt: skip
+    with pytest.raises(SystemExit):
+        cli.select_cases(cli.parse_args(["--num-experts", "64"]), shapes, cuda=True)
+
+
+# ---------------------------------------------------------------- the check before the timing
+
+
+def test_wrong_output_fails_and_is_not_timed():
+    problem = make_problem(shapes.get("tiny-qwen3-fc2"), device=torch.device("cpu"))
+    loop = registry.load_impls()["loop-torch.mm"]
+
+    def drops_biggest_group(problem, op):
+        fn = loop.prepare(problem, op)
+        s, e = max(problem.bounds, key=lambda b: b[1] - b[0])
+        return lambda: (lambda out: out.index_fill_(0, torch.arange(s, e), 0.0))(fn())
+
+    bad = registry.Impl("bad", ("fwd",), drops_biggest_group)
+    ref = harness.lazy(lambda: problem.reference("fwd"))
+    rec = harness.measure(problem, "fwd", bad, _env(), tcfg=harness.timing.TimingConfig(), reference=ref)
+    assert rec["status"] == "failed" and rec["ms"] is None and rec["relerr"] > rec["tol"]
+    assert "relerr" in rec["reason"]
+    rec = harness.measure(problem, "dgrad", bad, _env(), tcfg=harness.timing.TimingConfig(), reference=ref)
+    assert rec["status"] == "skipped" and "does not implement dgrad" in rec["reason"]
+    ok = harness.measure(problem, "fwd", loop, _env(), tcfg=harness.timing.TimingConfig(), reference=ref)
+    assert ok["status"] == "ok" and ok["relerr"] <= testing.REL_TOL[torch.bfloat16] and ok["ms"] > 0
+
+
+def test_chunked_relerr_matches_testing_relerr(monkeypatch):
+    out, ref = torch.randn(3000, dtype=torch.bfloat16), torch.randn(3000, dtype=torch.float64)
+    whole = testing.relerr(out, ref)
+    monkeypatch.setattr(harness, "RELERR_CHUNK", 1000)
+    assert harness.relerr(out, ref) == pytest.approx(whole, rel=1e-12)
+    out[1234] = float("nan")
+    assert harness.relerr(out, ref) == math.inf
+
+
+# ---------------------------------------------------------------- the CLI end to end
+
+
+def test_cli_tiny_case_json_schema_and_check(tmp_path):
+    out = tmp_path / "r.json"
+    impls = "moegemm,torch._grouped_mm,loop-torch.mm,dense-cublas"
+    argv = ["--cases", "tiny-qwen3-fc2", "--ops", "fwd,wgrad", "--impls", impls, "--quick", "--out", str(out)]
+    assert cli.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert set(data) == {"meta", "records"}
+    meta, records = data["meta"], data["records"]
+    assert (
+        meta["device"].startswith("cpu")
+        and meta["torch"] == torch.__version__
+        and meta["ops"] == ["fwd", "wgrad"]
+    )
+    assert "perf_counter" in meta["timing"] and meta["summary"]["case_ops"] == 2
+    assert {(r["op"], r["impl"]) for r in records} == {
+        (op, impl) for op in ("fwd", "wgrad") for impl in ("moegemm", "torch._grouped_mm", "loop-torch.mm", "dense-cublas")
+    }  # fmt: skip
+    for r in records:
+        assert list(r)[: len(report.RECORD_FIELDS)] == list(report.RECORD_FIELDS)
+        assert r["status"] == "ok", r
+        assert 0 <= r["relerr"] <= r["tol"] == testing.REL_TOL[torch.bfloat16]
+        assert (
+            r["ms"] > 0
+            and r["tflops"] > 0
+            and r["pct_floor"] == pytest.approx(100 * r["tflops"] / r["floor_tflops"])
+        )
+        assert (r["G"], r["M"], r["K"], r["N"], r["split"]) == (16, 128, 48, 64, "dirichlet")
+    moe = next(r for r in records if r["impl"] == "moegemm" and r["op"] == "fwd")
+    assert moe["backend"] == "interpret" and moe["vs_torch"] == pytest.approx(
+        moe["speedup"]["torch._grouped_mm"]
+    )
+    assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_cli_jagged_splits_and_skip_reason(tmp_path):
+    out = tmp_path / "j.json"
+    argv = ["--cases", "tiny-odd", "--ops", "fwd", "--impls", "loop-torch.mm,torch._grouped_mm",
+            "--jagged-splits", "100,0,28", "--split", "balanced", "--out", str(out), "--no-plot"]  # fmt: skip
+    assert cli.main(argv) == 0
+    records = json.loads(out.read_text())["records"]
+    by = {r["impl"]: r for r in records}
+    assert by["loop-torch.mm"]["status"] == "ok" and by["loop-torch.mm"]["split"] == "jagged:100,0,28"
+    assert (by["loop-torch.mm"]["G"], by["loop-torch.mm"]["M"]) == (3, 128)
+    # tiny-odd has K=33, N=65: torch._grouped_mm's 16-byte stride rule cannot hold, and says so.
+    assert by["torch._grouped_mm"]["status"] == "skipped" and "16 bytes" in by["torch._grouped_mm"]["reason"]
+    assert not out.with_suffix(".png").exists()
+
+
+# ---------------------------------------------------------------- --tune
+
+
+def test_tune_writes_cache_under_the_launchers_key(tmp_path, monkeypatch):
+    monkeypatch.setattr(configs, "CACHE_DIR", tmp_path)
+    env = _env()
+    (tmp_path / f"{env.device_slug}.json").write_text(json.dumps({"other|key": {"block_k": 1}}))
+    case = shapes.get("tiny-727-577-859")
+    spec = harness.RunSpec(cases=[case], ops=["wgrad"], impls=[], device=torch.device("cpu"),
+                           timing=harness.timing.TimingConfig.quick())  # fmt: skip
+    registry.load_impls()
+    records, path = tune.tune(spec, env, target="interpret", cache_dir=tmp_path)
+    (best,) = [r for r in records if r["best"]]
+    # wgrad runs k_grouped_mm(dy, x): the launcher's K is the case's N and its N the case's K.
+    key = configs.cache_key("k_grouped", "bfloat16", case.G, case.K, case.N, case.M)
+    assert best["status"] == "ok" and best["cache_key"] == key
+    cache = configs.load_cache(env.device)  # cleared by write_cache, so it reads the new file
+    assert cache[key] == best["config"] and cache["other|key"] == {"block_k": 1}
+    assert configs.KGroupedConfig(**cache[key]) in configs.candidates("k_grouped", "interpret")
+    assert configs.pick_config is not tune.force_config  # restored
+    configs.load_cache.cache_clear()
