@@ -32,6 +32,8 @@ def m_grouped_mm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_G: tl.constexpr,
     EVEN_K: tl.constexpr,
+    W_K_CONTIGUOUS: tl.constexpr,  # stride_wk == 1, e.g. an nn.Linear weight [G, N, K] passed as w.mT
+    WIDE_OFFSETS: tl.constexpr,
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot is wrong on bf16 operands
     PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -46,42 +48,57 @@ def m_grouped_mm_kernel(
     tile_ends = tl.cumsum(m_tiles * n_tiles, 0)
     total_tiles = tl.max(tile_ends, 0)
 
-    offs_m0 = tl.arange(0, BLOCK_M)
-    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
+    if WIDE_OFFSETS:  # a stride times a block size may not fit in int32
+        offs_m = offs_m.to(tl.int64)
+        offs_n = offs_n.to(tl.int64)
+        offs_k = offs_k.to(tl.int64)
     for tile in range(pid, total_tiles, NUM_PROGRAMS):
         g = tl.sum((tile_ends <= tile).to(tl.int32), 0)
         g_m_tiles = pick(m_tiles, offs, g)
         local = tile - (pick(tile_ends, offs, g) - g_m_tiles * n_tiles)
         m_tile, n_tile = swizzle_tile(local, g_m_tiles, n_tiles, GROUP_M)
-        rows = pick(starts, offs, g) + m_tile * BLOCK_M + offs_m0  # int64
-        row_mask = rows < pick(ends, offs, g)
-        cols = n_tile * BLOCK_N + offs_n0
-        col_mask = cols < N
-
+        row0 = pick(starts, offs, g) + m_tile * BLOCK_M  # int64
+        row_mask = offs_m < pick(ends, offs, g) - row0
+        col0 = n_tile * BLOCK_N
+        col_mask = offs_n < N - col0
+        # 64-bit scalar tile origins; per-element offsets stay 32-bit (WIDE_OFFSETS when they can't),
+        # which keeps the pointer tensors out of the register budget of the accumulator.
+        out_base = out_ptr + row0 * stride_om + col0.to(tl.int64) * stride_on
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if g < G:
-            x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
-            w_ptrs = (
-                w_ptr + g.to(tl.int64) * stride_wg
-                + offs_k[:, None] * stride_wk + cols[None, :].to(tl.int64) * stride_wn
-            )  # fmt: skip
+            x_base = x_ptr + row0 * stride_xm
+            w_base = w_ptr + g.to(tl.int64) * stride_wg + col0.to(tl.int64) * stride_wn
+            x_offs = offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+            if W_K_CONTIGUOUS:  # nn.Linear layout: load [BLOCK_N, BLOCK_K] rows as stored, transpose in smem
+                w_offs = offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+            else:
+                w_offs = offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
             for k in range(0, tl.cdiv(K, BLOCK_K)):
+                k_mask = offs_k < K - k * BLOCK_K
                 if EVEN_K:
-                    a = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
-                    b = tl.load(w_ptrs, mask=col_mask[None, :], other=0.0)
+                    a = tl.load(x_base + x_offs, mask=row_mask[:, None], other=0.0)
                 else:
-                    k_mask = offs_k < K - k * BLOCK_K
-                    a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                    b = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+                    a = tl.load(x_base + x_offs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                if W_K_CONTIGUOUS:
+                    if EVEN_K:
+                        b = tl.trans(tl.load(w_base + w_offs, mask=col_mask[:, None], other=0.0))
+                    else:
+                        b = tl.trans(tl.load(w_base + w_offs, mask=col_mask[:, None] & k_mask[None, :], other=0.0))
+                elif EVEN_K:
+                    b = tl.load(w_base + w_offs, mask=col_mask[None, :], other=0.0)
+                else:
+                    b = tl.load(w_base + w_offs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
                 if UPCAST:
                     a = a.to(tl.float32)
                     b = b.to(tl.float32)
                 acc = tl.dot(a, b, acc, input_precision=PRECISION)
-                x_ptrs += BLOCK_K * stride_xk
-                w_ptrs += BLOCK_K * stride_wk
-        out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :].to(tl.int64) * stride_on
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+                x_base += BLOCK_K * stride_xk
+                w_base += BLOCK_K * stride_wk
+        out_offs = offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(out_base + out_offs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +110,12 @@ class MGroupedLaunch:
 
     @staticmethod
     def make(M: int, N: int, K: int, G: int, *, config, num_programs_cap: int, fp32_inputs: bool,
-             interpret: bool) -> MGroupedLaunch:  # fmt: skip
+             interpret: bool, max_stride: int | None = None, w_k_contiguous: bool = False) -> MGroupedLaunch:  # fmt: skip
+        """max_stride: the largest row/column stride of x, w[g] and out (default: contiguous, max(K, N)).
+        w_k_contiguous: w's K stride is 1 (the [G, N, K] storage of an nn.Linear weight seen as [G, K, N]).
+        """
         bm, bn = config.block_m, config.block_n
+        max_stride = max(K, N) if max_stride is None else max_stride
         # Each group adds at most one partial row tile, the tail slot one more.
         max_tiles = (triton.cdiv(M, bm) + G + 1) * triton.cdiv(N, bn)
         # num_programs_cap is one wave at one program per SM; a config may ask for several per SM.
@@ -104,6 +125,8 @@ class MGroupedLaunch:
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config.block_k, GROUP_M=config.group_m,
             BLOCK_G=max(16, triton.next_power_of_2(G + 1)),
             EVEN_K=K % config.block_k == 0,
+            W_K_CONTIGUOUS=w_k_contiguous,
+            WIDE_OFFSETS=2 * max(bm, bn, config.block_k) * max_stride >= 2**31,
             UPCAST=interpret,
             PRECISION="ieee" if fp32_inputs or interpret else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages,

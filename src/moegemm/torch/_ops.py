@@ -56,6 +56,8 @@ def launch_m_grouped(x, w, group_sizes, out) -> None:
     launch = MGroupedLaunch.make(
         M, N, K, G, config=config, num_programs_cap=programs,
         fp32_inputs=x.dtype == torch.float32, interpret=target == "interpret",
+        max_stride=max(map(abs, (*x.stride(), *w.stride()[1:], *out.stride()))),
+        w_k_contiguous=w.stride(1) == 1 and w.stride(2) != 1,
     )  # fmt: skip
     with _device_guard(x.device):
         m_grouped_mm_kernel[launch.grid](
