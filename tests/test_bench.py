@@ -1,5 +1,6 @@
 """The benchmark harness on CPU: the CLI end to end on a TINY case, the roofline, the splits, tuning."""
 
+import dataclasses
 import json
 import math
 
@@ -133,7 +134,7 @@ def test_cli_tiny_case_json_schema_and_check(tmp_path):
         and meta["torch"] == torch.__version__
         and meta["ops"] == ["fwd", "wgrad"]
     )
-    assert "perf_counter" in meta["timing"] and meta["summary"]["case_ops"] == 2
+    assert "perf_counter" in meta["timing"] and meta["summary"]["case_ops"] == 2 and meta["partial"] is False
     assert {(r["op"], r["impl"]) for r in records} == {
         (op, impl) for op in ("fwd", "wgrad") for impl in ("moegemm", "torch._grouped_mm", "loop-torch.mm", "dense-cublas")
     }  # fmt: skip
@@ -151,7 +152,15 @@ def test_cli_tiny_case_json_schema_and_check(tmp_path):
     assert moe["backend"] == "interpret" and moe["vs_torch"] == pytest.approx(
         moe["speedup"]["torch._grouped_mm"]
     )
+    # The tile config moegemm's launcher picked is recorded, with the cache key --tune would write.
+    assert moe["config"] == dataclasses.asdict(configs.candidates("m_grouped", "interpret")[0])
+    assert moe["cache_key"] == configs.cache_key("m_grouped", "bfloat16", 16, 64, 48, 128)
     assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_cli_tune_refuses_without_hopper():
+    with pytest.raises(SystemExit, match="sm90"):
+        cli.main(["--tune", "--device", "cpu", "--cases", "tiny-odd", "--no-plot"])
 
 
 def test_cli_jagged_splits_and_skip_reason(tmp_path):

@@ -120,6 +120,14 @@ def main(argv=None) -> int:
     if args.tune and not (cuda and torch.cuda.get_device_capability(device) == (9, 0)):
         raise SystemExit("--tune writes sm90 configs and needs a Hopper (sm90) GPU")
 
+    stem = f"{env.device_slug}-{env.date}" + ("-tune" if args.tune else "")
+    out = args.out or Path("benchmarks/results") / f"{stem}.json"
+    meta = _meta(args, argv, env, spec, registry, timing)
+
+    def checkpoint(records: list[dict]) -> None:
+        """After every case: a run cut short (a time limit) still leaves its finished cases on disk."""
+        report.write_json(out, {**meta, "partial": True}, records)
+
     started = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as bar:  # fmt: skip
@@ -141,41 +149,28 @@ def main(argv=None) -> int:
 
         cache_path = None
         if args.tune:
+            cache_dir = args.cache_dir or configs.CACHE_DIR
             records, cache_path = tune.tune(
-                spec, env, target="sm90", progress=progress, cache_dir=args.cache_dir or configs.CACHE_DIR
+                spec, env, cache_dir=cache_dir, progress=progress, on_case=checkpoint
             )
         else:
-            records = harness.run(spec, env, progress)
+            records = harness.run(spec, env, progress, on_case=checkpoint)
     elapsed = time.perf_counter() - started
 
-    title = f"{env.device} | {args.dtype} | split {records[0]['split'] if records else args.split} | " \
-            f"torch {env.torch} triton {env.triton}"  # fmt: skip
+    split = records[0]["split"] if records else args.split
+    title = f"{env.device} | {args.dtype} | split {split} | torch {env.torch} triton {env.triton}"
     console.print(report.table(records, title))
-    summ = report.summary(records)
+    meta.update(summary=report.summary(records), elapsed_s=elapsed, split=split)
     if not args.tune:
-        console.print(report.summary_line(summ))
-    overhead_rows = None
+        console.print(report.summary_line(meta["summary"]))
     if args.overhead:
         from moegemm.bench import overhead
 
-        overhead_rows = overhead.measure(device, spec.dtype)
-        console.print(overhead.line(overhead_rows, device))
-    stem = f"{env.device_slug}-{env.date}" + ("-tune" if args.tune else "")
-    out = args.out or Path("benchmarks/results") / f"{stem}.json"
-    meta = {
-        "device": env.device, "device_slug": env.device_slug, "date": env.date, "torch": env.torch,
-        "triton": env.triton, "driver": env.driver, "cuda": env.cuda, "python": sys.version.split()[0],
-        "argv": list(sys.argv[1:] if argv is None else argv), "dtype": args.dtype, "ops": ops,
-        "split": records[0]["split"] if records else args.split, "seed": args.seed,
-        "impls": [i.name for i in impls], "impls_unavailable": dict(registry.UNAVAILABLE),
-        "timing": timing.method(device) + (" (--quick)" if args.quick else ""),
-        "timing_config": dataclasses.asdict(spec.timing),
-        "roofline": {"peak_flops": report.roofline.PEAK_FLOPS, "peak_bytes_per_s": report.roofline.PEAK_BYTES_PER_S},
-        "cases": {c.name: {"G": c.G, "M": c.M, "K": c.K, "N": c.N} for c in spec.cases},
-        "summary": summ, "overhead": overhead_rows, "elapsed_s": elapsed,
-        "tuned_cache": str(cache_path) if cache_path else None,
-        "tuned": {r["cache_key"]: r["config"] for r in records if r.get("best")} if args.tune else None,
-    }  # fmt: skip
+        meta["overhead"] = overhead.measure(device, spec.dtype)
+        console.print(overhead.line(meta["overhead"], device))
+    if args.tune:
+        meta["tuned_cache"] = str(cache_path)
+        meta["tuned"] = {r["cache_key"]: r["config"] for r in records if r.get("best")}
     path = report.write_json(out, meta, records)
     console.print(f"wrote {path}")
     if cache_path is not None and cache_path.exists():
@@ -184,6 +179,24 @@ def main(argv=None) -> int:
         console.print(f"wrote {report.plot(args.plot or path.with_suffix('.png'), records, title)}")
     console.print(f"done in {elapsed:.0f} s")
     return 0
+
+
+def _meta(args, argv, env, spec, registry, timing) -> dict:
+    from moegemm.bench import roofline
+
+    return {
+        "device": env.device, "device_slug": env.device_slug, "date": env.date,
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "torch": env.torch, "triton": env.triton, "driver": env.driver, "cuda": env.cuda,
+        "python": sys.version.split()[0], "argv": list(sys.argv[1:] if argv is None else argv),
+        "dtype": args.dtype, "ops": spec.ops, "split": args.split, "seed": args.seed,
+        "impls": [i.name for i in spec.impls], "impls_unavailable": dict(registry.UNAVAILABLE),
+        "timing": timing.method(spec.device) + (" (--quick)" if args.quick else ""),
+        "timing_config": dataclasses.asdict(spec.timing),
+        "roofline": {"peak_flops": roofline.PEAK_FLOPS, "peak_bytes_per_s": roofline.PEAK_BYTES_PER_S},
+        "cases": {c.name: {"G": c.G, "M": c.M, "K": c.K, "N": c.N} for c in spec.cases},
+        "summary": None, "overhead": None, "elapsed_s": None, "partial": False,
+    }  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -168,7 +168,7 @@ def measure(
         if seen:  # the tile config moegemm's launcher picked (tuned cache hit or table default)
             rec.update(config=dataclasses.asdict(seen[0]["config"]), cache_key=seen[0]["cache_key"])
         if not isinstance(out, torch.Tensor):
-            out = torch.from_dlpack(out)  # e.g. a jax.Array
+            out, peak_mb = torch.from_dlpack(out), None  # e.g. a jax.Array: torch's allocator never saw it
         err = relerr(out, ref)
         del out
     except Exception as exc:  # noqa: BLE001 - any failure of a peer is a result to report
@@ -218,7 +218,11 @@ class RunSpec:
     timing: timing.TimingConfig = dataclasses.field(default_factory=timing.TimingConfig)
 
 
-def run(spec: RunSpec, env: Environment, progress: Callable[[str], None] = lambda _: None) -> list[dict]:
+def run(
+    spec: RunSpec, env: Environment, progress: Callable[[str], None] = lambda _: None,
+    on_case: Callable[[list[dict]], None] = lambda _: None,
+) -> list[dict]:  # fmt: skip
+    """Every (case, op, impl) of ``spec``; ``on_case(records so far)`` after each case."""
     records = []
     for case in spec.cases:
         problem = make_problem(
@@ -234,7 +238,8 @@ def run(spec: RunSpec, env: Environment, progress: Callable[[str], None] = lambd
             _free(spec.device)
         del problem
         _free(spec.device)
-    add_speedups(records)
+        add_speedups(records)
+        on_case(records)
     return records
 
 

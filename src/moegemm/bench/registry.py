@@ -79,7 +79,13 @@ def load_impls() -> dict[str, Impl]:
             continue
         for key, value in IMPORT_ENV.get(needs or "", {}).items():
             os.environ.setdefault(key, value)
-        importlib.import_module(module)
+        if needs is None:
+            importlib.import_module(module)
+            continue
+        try:  # an optional framework that is installed but broken must not take the torch impls down
+            importlib.import_module(module)
+        except ImportError as exc:
+            UNAVAILABLE[module] = f"import failed: {exc}"
     return REGISTRY
 
 

@@ -121,9 +121,10 @@ def plot(path: Path, records: list[dict], title: str = "") -> Path:
         ax.set_ylabel(f"{op} TF/s")
         ax.grid(axis="y", alpha=0.3)
     handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=7, ncols=min(6, len(labels)), loc="upper center")
     fig.suptitle(title, fontsize=9, y=0.995)
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.legend(handles, labels, fontsize=7, ncols=min(8, len(labels)), loc="upper center",
+               bbox_to_anchor=(0.5, 0.975), frameon=False)  # fmt: skip
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

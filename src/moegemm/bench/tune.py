@@ -37,10 +37,15 @@ def force_config(config):
 
 
 def tune(spec: harness.RunSpec, env: harness.Environment, *, target: str = "sm90",
-         cache_dir: Path = configs.CACHE_DIR, progress=lambda _: None) -> tuple[list[dict], Path]:  # fmt: skip
-    """Returns (one record per candidate, with "config" and "best" added; the cache file written)."""
+         cache_dir: Path = configs.CACHE_DIR, progress=lambda _: None,
+         on_case=lambda _: None) -> tuple[list[dict], Path]:  # fmt: skip
+    """Returns (one record per candidate, with "config" and "best" added; the cache file written).
+
+    The cache is merged after every case, so a run cut short keeps the cases it finished.
+    """
     impl = REGISTRY["moegemm"]
     records, winners = [], {}
+    path = Path(cache_dir) / f"{configs.device_slug(env.device)}.json"
     for case in spec.cases:
         problem = make_problem(case, device=spec.device, dtype=spec.dtype, split=spec.split,
                                seed=spec.seed, jagged=spec.jagged, ops=spec.ops)  # fmt: skip
@@ -64,7 +69,10 @@ def tune(spec: harness.RunSpec, env: harness.Environment, *, target: str = "sm90
                 winners[best["cache_key"]] = best["config"]
             records.extend(trial)
             del reference
-    return records, write_cache(env.device, winners, cache_dir)
+        del problem
+        path = write_cache(env.device, winners, cache_dir)
+        on_case(records)
+    return records, path
 
 
 def write_cache(device_name: str, winners: dict[str, dict], cache_dir: Path = configs.CACHE_DIR) -> Path:
