@@ -127,6 +127,10 @@ def main(argv=None) -> int:
     def checkpoint(records: list[dict]) -> None:
         """After every case: a run cut short (a time limit) still leaves its finished cases on disk."""
         report.write_json(out, {**meta, "partial": True}, records)
+        last = [r for r in records if r["case"] == records[-1]["case"]]
+        failed = sorted({f"{r['op']}/{r['impl']}" for r in last if r["status"] == "failed"})
+        console.print(f"[{time.perf_counter() - started:5.0f} s] {records[-1]['case']}: {len(last)} records"
+                      + (f", failed: {', '.join(failed)}" if failed else ""))  # fmt: skip
 
     started = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
