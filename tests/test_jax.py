@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from moegemm import shapes
 from moegemm.jax import _interpret, api
@@ -265,6 +267,25 @@ class JaxOpsTest:
         theirs = jax.grad(gnorm(lambda *a: jref.ragged_dot_reference(*a)))(w)
         assert_close(ours, theirs, F32, "d/dw |d/dw loss|^2")
 
+    @settings(
+        max_examples=8,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.differing_executors],
+    )
+    @given(sizes=st.lists(st.integers(-2, 14), min_size=1, max_size=5))
+    def test_hypothesis_group_sizes(self, sizes):
+        """Generated sizes, negative ones and sums past M included: fwd and grads vs the fp64 oracle."""
+        M, K, N = 36, 16, 20
+        x, w, dy = randn(0, (M, K), F32), randn(1, (len(sizes), K, N), F32), randn(2, (M, N), F32)
+        out, vjp = jax.vjp(lambda x, w: self.ragged_dot(x, w, jnp.asarray(sizes, jnp.int32)), x, w)
+        dx, dw = vjp(dy)
+        dx_ref, dw_ref = np_ragged_grads(x, w, sizes, dy)
+        assert_close(out, np_m_grouped(x, w, sizes), F32, f"{sizes} fwd")
+        assert_close(dx, dx_ref, F32, f"{sizes} dx")
+        assert_close(dw, dw_ref, F32, f"{sizes} dw")
+
     @no_launch
     @pytest.mark.parametrize("M, K, N, G", [(0, 16, 16, 2), (12, 0, 16, 2), (12, 16, 0, 2), (12, 16, 16, 0)])
     def test_zero_dims(self, M, K, N, G):
@@ -382,5 +403,7 @@ def test_launch_matches_kernel_signature(which):
         else:
             assert type(value) is int, f"{name}={value!r}: jax-triton takes Python scalars only"
     assert {k: named[k] for k in strides} == strides
+    if which == "m_grouped_transposed":  # the weight is read K-contiguous, as stored
+        assert call.meta["W_K_CONTIGUOUS"]
     assert set(call.meta) <= constexprs | {"num_warps", "num_stages"}
     assert constexprs <= set(call.meta)

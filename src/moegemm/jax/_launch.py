@@ -79,6 +79,7 @@ def m_grouped_call(
     launch = MGroupedLaunch.make(
         M, N, K, G, config=config, num_programs_cap=target.programs,
         fp32_inputs=x.dtype == jnp.float32, interpret=target.name == "interpret",
+        max_stride=max(K, 1, stride_wk, stride_wn, N), w_k_contiguous=stride_wk == 1 and stride_wn != 1,
     )  # fmt: skip
     args = (x, w, group_sizes, M, N, K, G, K, 1, stride_wg, stride_wk, stride_wn, N, 1)
     out_shape = jax.ShapeDtypeStruct((M, N), jnp.dtype(out_dtype))
