@@ -20,10 +20,16 @@ from moegemm.bench.registry import Impl, register
 from moegemm.jax import api as moegemm_jax
 
 OPS = ("fwd", "dgrad", "wgrad")
-# wgrad as a ragged-contracting dot: [M, N] x [M, K] -> [G, N, K], groups along the contracted M.
-WGRAD_DIMS = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
-)
+
+
+def _wgrad_dims():
+    """wgrad as a ragged-contracting dot: [M, N] x [M, K] -> [G, N, K], groups along the contracted M.
+
+    Built on first use, so a JAX without RaggedDotDimensionNumbers fails this impl, not the import.
+    """
+    return jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+    )
 
 
 def _prepared(problem, op: str, fns: dict[str, Callable], *, w_kn: bool = False):
@@ -70,12 +76,12 @@ register(Impl("moegemm-jax", OPS, _moegemm_jax, clock="wall"))
 
 
 def _lax(problem, op):
-    dtype = _dtype(problem)
+    dtype, dims = _dtype(problem), _wgrad_dims() if op == "wgrad" else None
     fns = {
         "fwd": lambda x, w, dy, gs: jax.lax.ragged_dot(x, w, gs),  # w: the [G, K, N] copy
         "dgrad": lambda x, w, dy, gs: jax.lax.ragged_dot(dy, w, gs),  # w[g] is [N, K]
         "wgrad": lambda x, w, dy, gs: jax.lax.ragged_dot_general(
-            dy, x, gs, WGRAD_DIMS, preferred_element_type=dtype
+            dy, x, gs, dims, preferred_element_type=dtype
         ),
     }
     return _prepared(problem, op, fns, w_kn=True)
