@@ -68,35 +68,38 @@ def m_grouped_mm_kernel(
         # which keeps the pointer tensors out of the register budget of the accumulator.
         out_base = out_ptr + row0 * stride_om + col0.to(tl.int64) * stride_on
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if g < G:
-            x_base = x_ptr + row0 * stride_xm
-            w_base = w_ptr + g.to(tl.int64) * stride_wg + col0.to(tl.int64) * stride_wn
-            x_offs = offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
-            if W_K_CONTIGUOUS:  # nn.Linear layout: load [BLOCK_N, BLOCK_K] rows as stored, transpose in smem
-                w_offs = offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+        # The tail slot (g == G) runs no reduction steps: its rows are stored as zeros.
+        k_steps = tl.where(g < G, tl.cdiv(K, BLOCK_K), 0)
+        x_base = x_ptr + row0 * stride_xm
+        w_base = w_ptr + g.to(tl.int64) * stride_wg + col0.to(tl.int64) * stride_wn
+        x_offs = offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+        if W_K_CONTIGUOUS:  # nn.Linear layout: load [BLOCK_N, BLOCK_K] rows as stored, transpose in smem
+            w_offs = offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+        else:
+            w_offs = offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+        # The bases stay loop-invariant and the step enters the offsets: a loop-carried scalar pointer
+        # loses its alignment facts, which stops Triton from pipelining the loads with cp.async.
+        for k in range(0, k_steps):
+            k_mask = offs_k < K - k * BLOCK_K
+            x_ptrs = x_base + (x_offs + k * BLOCK_K * stride_xk)
+            w_ptrs = w_base + (w_offs + k * BLOCK_K * stride_wk)
+            if EVEN_K:
+                a = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
             else:
-                w_offs = offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
-            for k in range(0, tl.cdiv(K, BLOCK_K)):
-                k_mask = offs_k < K - k * BLOCK_K
+                a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            if W_K_CONTIGUOUS:
                 if EVEN_K:
-                    a = tl.load(x_base + x_offs, mask=row_mask[:, None], other=0.0)
+                    b = tl.trans(tl.load(w_ptrs, mask=col_mask[:, None], other=0.0))
                 else:
-                    a = tl.load(x_base + x_offs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                if W_K_CONTIGUOUS:
-                    if EVEN_K:
-                        b = tl.trans(tl.load(w_base + w_offs, mask=col_mask[:, None], other=0.0))
-                    else:
-                        b = tl.trans(tl.load(w_base + w_offs, mask=col_mask[:, None] & k_mask[None, :], other=0.0))
-                elif EVEN_K:
-                    b = tl.load(w_base + w_offs, mask=col_mask[None, :], other=0.0)
-                else:
-                    b = tl.load(w_base + w_offs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-                if UPCAST:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = tl.dot(a, b, acc, input_precision=PRECISION)
-                x_base += BLOCK_K * stride_xk
-                w_base += BLOCK_K * stride_wk
+                    b = tl.trans(tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0))
+            elif EVEN_K:
+                b = tl.load(w_ptrs, mask=col_mask[None, :], other=0.0)
+            else:
+                b = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
         out_offs = offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
         tl.store(out_base + out_offs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
@@ -112,6 +115,7 @@ class MGroupedLaunch:
     def make(M: int, N: int, K: int, G: int, *, config, num_programs_cap: int, fp32_inputs: bool,
              interpret: bool, max_stride: int | None = None, w_k_contiguous: bool = False) -> MGroupedLaunch:  # fmt: skip
         """max_stride: the largest row/column stride of x, w[g] and out (default: contiguous, max(K, N)).
+        Element offsets inside one tile or one expert's K range are int32 unless they could overflow.
         w_k_contiguous: w's K stride is 1 (the [G, N, K] storage of an nn.Linear weight seen as [G, K, N]).
         """
         bm, bn = config.block_m, config.block_n
@@ -126,7 +130,7 @@ class MGroupedLaunch:
             BLOCK_G=max(16, triton.next_power_of_2(G + 1)),
             EVEN_K=K % config.block_k == 0,
             W_K_CONTIGUOUS=w_k_contiguous,
-            WIDE_OFFSETS=2 * max(bm, bn, config.block_k) * max_stride >= 2**31,
+            WIDE_OFFSETS=2 * max(bm, bn, K + config.block_k) * max_stride >= 2**31,
             UPCAST=interpret,
             PRECISION="ieee" if fp32_inputs or interpret else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages,
