@@ -1,0 +1,392 @@
+"""Partitioning rules of moegemm.jax.sharding and collective_gemm on 8 fake CPU devices.
+
+The planner tests run in-process. The sharded cases need 8 devices, which XLA_FLAGS must ask for
+before jax initializes its backend, and other test files in this pytest process may already have
+initialized it. So one subprocess (this file run as a script) executes every case once: it
+compares forward and gradients with the unsharded reference, reads the collectives out of the
+compiled HLO and records stderr (for XLA's 'Involuntary full rematerialization' warning). The
+tests below assert on its JSON report, one test per case.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from functools import partial
+
+import pytest
+
+from moegemm.jax.collective_gemm import plan_dense
+from moegemm.jax.sharding import ShardingRuleError, plan_gmm, plan_tgmm, shard_group_sizes
+
+P = __import__("jax").sharding.PartitionSpec
+MESH_DP_EP = ((2, 4), ("dp", "ep"))
+MESH_FSDP_TP = ((2, 4), ("fsdp", "tp"))
+M, K, N, G, B = 64, 16, 24, 8, 4
+GROUP_SIZES = [10, 0, 7, 13, 2, 9, 11, 5]  # sum 57 < M: rows 57.. belong to no group; group 1 empty
+
+# name: (mesh, op, lhs spec, rhs spec, rhs layout). Specs are tuples for JSON; None = replicated.
+CASES = {
+    # grouped GEMM, mesh (dp=2, ep=4)
+    "gmm/tokens_dp": (MESH_DP_EP, "gmm", ("dp", None), (None, None, None), None),
+    "gmm/tokens_dp/experts_ep": (MESH_DP_EP, "gmm", ("dp", None), ("ep", None, None), None),
+    "gmm/tokens_replicated/experts_ep": (MESH_DP_EP, "gmm", (None, None), ("ep", None, None), None),
+    "gmm/tokens_dp_ep/experts_ep": (MESH_DP_EP, "gmm", (("dp", "ep"), None), ("ep", None, None), None),
+    # grouped GEMM, mesh (fsdp=2, tp=4)
+    "gmm/fsdp/tp_n": (MESH_FSDP_TP, "gmm", ("fsdp", None), (None, "fsdp", "tp"), None),
+    "gmm/tp_k": (MESH_FSDP_TP, "gmm", (None, "tp"), (None, "tp", None), None),
+    "gmm/fsdp_rows/tp_k": (MESH_FSDP_TP, "gmm", ("fsdp", "tp"), (None, "tp", None), None),
+    "gmm/error_k_and_n": (MESH_FSDP_TP, "gmm", (None, None), (None, "tp", "fsdp"), None),
+    # dense collective GEMM, lhs [B, M, K], mesh (fsdp=2, tp=4)
+    "dense/fsdp/tp_n": (MESH_FSDP_TP, "dense", ("fsdp", None, None), ("fsdp", "tp"), "kn"),
+    "dense/tp_k": (MESH_FSDP_TP, "dense", (None, None, "tp"), ("tp", None), "kn"),
+    "dense/sp_m/tp_k": (MESH_FSDP_TP, "dense", ("fsdp", "tp", None), ("tp", None), "kn"),
+    "dense/sp_m/tp_n_stored_nk": (MESH_FSDP_TP, "dense", (None, "tp", None), ("tp", None), "nk"),
+    "dense/error_k_and_n": (MESH_FSDP_TP, "dense", (None, None, None), ("tp", "fsdp"), "kn"),
+    # moegemm.jax's ops as the local computation (backend="reference": the Triton interpreter's
+    # host callbacks cannot run on 8 fake devices, whose threads all call back into Python at once)
+    "gmm/tokens_dp_ep/experts_ep/moegemm": (
+        MESH_DP_EP,
+        "gmm",
+        (("dp", "ep"), None),
+        ("ep", None, None),
+        None,
+    ),
+    "gmm/fsdp/tp_n/moegemm": (MESH_FSDP_TP, "gmm", ("fsdp", None), (None, "fsdp", "tp"), None),
+    # the same grouped rules inside shard_map
+    "shard_map/tokens_dp/experts_ep": (MESH_DP_EP, "shard_map", ("dp", None), ("ep", None, None), None),
+    "shard_map/tokens_dp_ep/experts_ep": (
+        MESH_DP_EP,
+        "shard_map",
+        (("dp", "ep"), None),
+        ("ep", None, None),
+        None,
+    ),  # fmt: skip
+    # tokens routed per dp shard: the op sees its block as all the rows (lhs_spec P()), and dp is an
+    # independent replica axis; the weight gradient must still be summed over dp
+    "shard_map_routed/tokens_dp/experts_ep": (
+        MESH_DP_EP,
+        "shard_map",
+        ("dp", None),
+        ("ep", None, None),
+        None,
+    ),
+}
+
+
+# Cases also run under GSPMD (infer_sharding_from_operands instead of the Shardy sharding_rule).
+GSPMD_CASES = ("gmm/tokens_dp_ep/experts_ep", "gmm/fsdp/tp_n", "dense/sp_m/tp_k")
+
+# Cases whose output rows are asked to be sharded over more axes than the tokens (psum_scatter).
+OUT_ROWS = {"gmm/fsdp_rows/tp_k": ("fsdp", "tp")}
+
+
+# ----------------------------------------------------------------------------------------------
+# Planner: pure functions of the specs, no devices
+
+
+def test_plan_tokens_sharded_is_local():
+    plan = plan_gmm(P("dp", None), P(None, None, None))
+    assert (plan.psum, plan.scatter, plan.rhs_gather, plan.row_gather) == ((), (), ((), ()), ())
+    assert plan.out == (("dp",), ())
+
+
+def test_plan_experts_sharded_psums_over_ep():
+    plan = plan_gmm(P("dp", None), P("ep", None, None))
+    assert plan.experts == ("ep",) and plan.psum == ("ep",) and plan.scatter == ()
+
+
+def test_plan_tokens_on_expert_axis_gathers_and_scatters():
+    plan = plan_gmm(P(("dp", "ep"), None), P("ep", None, None))
+    assert plan.row_gather == ("ep",) and plan.rows == ("dp",) and plan.scatter == ("ep",)
+    assert plan.out == (("dp", "ep"), ())
+
+
+def test_plan_expert_axis_must_be_minor_in_tokens():
+    with pytest.raises(ShardingRuleError, match=r"'ep', 'dp'"):
+        plan_gmm(P(("ep", "dp"), None), P("ep", None, None))
+
+
+def test_plan_fsdp_gathers_weight_and_reduce_scatters_its_gradient():
+    plan = plan_gmm(P("fsdp", None), P(None, "fsdp", "tp"))
+    assert plan.rhs_gather == (("fsdp",), ()) and plan.out == (("fsdp",), ("tp",)) and not plan.reduces
+    grad = plan_tgmm(P("fsdp", None), P("fsdp", "tp"), P(None, "fsdp", "tp"))
+    assert grad.scatter == ((), ("fsdp",), ()) and grad.psum == () and grad.b == (("fsdp",), ("tp",))
+
+
+def test_plan_contracting_dim_psum_or_psum_scatter():
+    assert plan_gmm(P(None, "tp"), P(None, "tp", None)).psum == ("tp",)
+    assert plan_gmm(P("fsdp", "tp"), P(None, "tp", None), out_rows=("fsdp",)).psum == ("tp",)
+    plan = plan_gmm(P("fsdp", "tp"), P(None, "tp", None), out_rows=("fsdp", "tp"))
+    assert plan.psum == () and plan.scatter == ("tp",) and plan.out == (("fsdp", "tp"), ())
+
+
+def test_plan_lhs_k_follows_rhs_k():
+    assert plan_gmm(P(None, "a"), P(None, "b", None)).lhs == ((), ("b",))
+    assert plan_gmm(P(None, "a"), P(None, None, None)).rhs == ((), ("a",), ())  # rhs sliced, no comm
+
+
+@pytest.mark.parametrize("plan", [plan_gmm, lambda lhs, rhs: plan_dense(lhs, rhs, 2, 2)])
+def test_plan_rhs_sharded_on_k_and_n_names_the_axes(plan):
+    rhs = P(None, "tp", "sp") if plan is plan_gmm else P("tp", "sp")
+    with pytest.raises(ShardingRuleError, match=r"\('tp',\).*\('sp',\)"):
+        plan(P(None, None), rhs)
+
+
+def test_plan_dense_te_rules():
+    # sequence parallel column-parallel: all-gather lhs along M, out sharded on N
+    plan = plan_dense(P(None, "tp", None), P(None, "tp"), 3, 2)
+    assert plan.lhs == ((), (), ()) and plan.out == ((), (), ("tp",)) and not plan.psum
+    # row-parallel: psum if M is not partitioned, psum_scatter along M if it is
+    assert plan_dense(P(None, None, "tp"), P("tp", None), 3, 2).psum == ("tp",)
+    plan = plan_dense(P(None, "tp", None), P("tp", None), 3, 2)
+    assert plan.lhs == ((), (), ("tp",)) and plan.scatter == ("tp",) and plan.out == ((), ("tp",), ())
+    # batch kept, FSDP weight gathered, rhs stored [N, K]
+    plan = plan_dense(P("fsdp", None, None), P("tp", "fsdp"), 3, 2, "nk")
+    assert (
+        plan.rhs == (("fsdp",), ("tp",)) and plan.rhs_gather == (("fsdp",), ()) and plan.out[0] == ("fsdp",)
+    )
+
+
+def test_shard_group_sizes():
+    import jax.numpy as jnp
+
+    sizes = jnp.array([3, 0, 4], jnp.int32)
+    assert shard_group_sizes(sizes, 4, 4).tolist() == [0, 0, 3]
+    assert shard_group_sizes(sizes, 0, 4).tolist() == [3, 0, 1]
+    assert shard_group_sizes(jnp.array([8, -2, 5], jnp.int32), 8, 4).tolist() == [0, 0, 4]
+
+
+def test_explicit_mesh_axes_raise():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from moegemm.jax.sharding import ragged_dot
+
+    mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
+    w = jax.device_put(jnp.ones((2, 4, 3)), NamedSharding(mesh, P("ep")))
+    with pytest.raises(ShardingRuleError, match=r"Explicit mesh axes \['ep'\]"):
+        jax.jit(lambda x, w: ragged_dot(x, w, jnp.array([1, 1])))(jnp.ones((2, 4)), w)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharded execution on 8 fake devices (subprocess)
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["stderr"] = proc.stderr
+    return result
+
+
+def _check_numerics(case):
+    assert case["fwd_err"] <= 1e-4, case
+    assert case["grad_err"] <= 1e-4, case
+
+
+NUMERIC = [n for n in CASES if "error" not in n]
+
+
+@pytest.mark.parametrize("name", NUMERIC)
+def test_sharded_matches_reference(report, name):
+    _check_numerics(report["cases"][name])
+
+
+def test_no_involuntary_rematerialization(report):
+    assert "Involuntary full rematerialization" not in report["stderr"]
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if "error" in n])
+def test_unservable_sharding_raises_naming_axes(report, name):
+    err = report["cases"][name]["error"]
+    assert "ShardingRuleError" in err and "'tp'" in err and "'fsdp'" in err, err
+
+
+def _ops(report, name, which="fwd"):
+    return report["cases"][name][which]
+
+
+def test_hlo_tokens_sharded_is_local(report):
+    assert _ops(report, "gmm/tokens_dp") == []
+    # backward: the weight gradient is summed over the token shards
+    bwd = _ops(report, "gmm/tokens_dp", "grad")
+    assert [c["op"] for c in bwd] == ["all-reduce"] and bwd[0]["shape"] == [G, K, N]
+
+
+def test_hlo_experts_sharded_psum_over_ep(report):
+    for name, rows in (("gmm/tokens_dp/experts_ep", M // 2), ("gmm/tokens_replicated/experts_ep", M)):
+        fwd = _ops(report, name)
+        assert [c["op"] for c in fwd] == ["all-reduce"], fwd
+        assert fwd[0]["shape"] == [rows, N] and fwd[0]["group_size"] == 4  # over ep, not the activation
+    grad = _ops(report, "gmm/tokens_replicated/experts_ep", "grad")
+    assert all(c["shape"] != [G, K, N] for c in grad)  # each EP shard owns its experts' gradient
+
+
+def test_hlo_tokens_on_expert_axis_all_gather_reduce_scatter(report):
+    fwd = _ops(report, "gmm/tokens_dp_ep/experts_ep")
+    assert sorted(c["op"] for c in fwd) == ["all-gather", "reduce-scatter"], fwd
+    assert all(c["group_size"] == 4 for c in fwd)  # over ep only: tokens are never gathered over dp
+    gather = next(c for c in fwd if c["op"] == "all-gather")
+    assert gather["shape"] == [M // 2, K]
+
+
+def test_hlo_fsdp_all_gathers_weight_only(report):
+    fwd = _ops(report, "gmm/fsdp/tp_n")
+    assert [c["op"] for c in fwd] == ["all-gather"] and fwd[0]["shape"] == [G, K, N // 4], fwd
+    grad = _ops(report, "gmm/fsdp/tp_n", "grad")
+    scatters = [c for c in grad if c["op"] == "reduce-scatter"]
+    assert any(c["shape"] == [G, K // 2, N // 4] for c in scatters), grad  # weight-gradient reduce-scatter
+    assert not any(c["op"] == "all-gather" and c["shape"][0] in (M, M // 2) and c["shape"] != [M // 2, K]
+                   for c in grad)  # fmt: skip
+
+
+def test_hlo_contracting_dim_psum_and_psum_scatter(report):
+    fwd = _ops(report, "gmm/tp_k")
+    assert [c["op"] for c in fwd] == ["all-reduce"] and fwd[0]["shape"] == [M, N]
+    fwd = _ops(report, "gmm/fsdp_rows/tp_k")
+    assert [c["op"] for c in fwd] == ["reduce-scatter"] and fwd[0]["shape"] == [M // 8, N]
+
+
+def test_hlo_dense_rules(report):
+    fwd = _ops(report, "dense/fsdp/tp_n")
+    assert [c["op"] for c in fwd] == ["all-gather"] and fwd[0]["shape"] == [K, N // 4], fwd
+    grad = _ops(report, "dense/fsdp/tp_n", "grad")
+    assert any(c["op"] == "reduce-scatter" and c["shape"] == [1, K // 2, N // 4] for c in grad), grad
+    assert [c["op"] for c in _ops(report, "dense/tp_k")] == ["all-reduce"]
+    fwd = _ops(report, "dense/sp_m/tp_k")  # lhs M over tp moves to K (all-to-all), out reduce-scattered
+    assert "reduce-scatter" in [c["op"] for c in fwd] and "all-reduce" not in [c["op"] for c in fwd], fwd
+    fwd = _ops(report, "dense/sp_m/tp_n_stored_nk")  # all-gather lhs along M, out sharded on N
+    assert [c["op"] for c in fwd] == ["all-gather"] and fwd[0]["shape"] == [B, M, K], fwd
+
+
+def test_moegemm_ops_under_the_rules(report):
+    for name in ("gmm/tokens_dp_ep/experts_ep", "gmm/fsdp/tp_n"):
+        case = report["cases"][f"{name}/moegemm"]
+        assert [c["op"] for c in case["fwd"]] == [c["op"] for c in _ops(report, name)]
+        assert [c["op"] for c in case["grad"]] == [c["op"] for c in _ops(report, name, "grad")]
+
+
+@pytest.mark.parametrize("name", GSPMD_CASES)
+def test_gspmd_partitioner_same_rules(report, name):
+    case = report["gspmd"][name]
+    _check_numerics(case)
+    assert sorted(c["op"] for c in case["fwd"]) == sorted(c["op"] for c in _ops(report, name))
+
+
+def test_shard_map_same_collectives_as_jit(report):
+    for name in ("tokens_dp/experts_ep", "tokens_dp_ep/experts_ep"):
+        ops = lambda n: sorted(c["op"] for c in _ops(report, n))
+        assert ops(f"shard_map/{name}") == ops(f"gmm/{name}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The subprocess
+
+
+def _case_fns(name, data):
+    """(lhs, rhs, f, reference f, output spec) for one CASES entry; f(lhs, rhs) runs under jit."""
+    import jax
+    import jax.numpy as jnp
+
+    from moegemm.jax import collective_gemm, sharding
+    from moegemm.jax import reference as ref
+
+    _, op, ls, rs, layout = CASES[name]
+    ls, rs, gs = _spec(ls), _spec(rs), data["gs"]
+    if op == "dense":
+        lhs, rhs = data["bx"], data[layout]
+        out_spec = lambda: collective_gemm.plan_dense(ls, rs, 3, 2, layout).out
+        f = lambda a, b: collective_gemm.dense(a, b, rhs_layout=layout)
+        want = lambda a, b: jnp.matmul(a, b if layout == "kn" else b.T, precision=jax.lax.Precision.HIGHEST)
+    else:
+        lhs, rhs = data["x"], data["w"]
+        out_spec = lambda: sharding.plan_gmm(ls, rs, OUT_ROWS.get(name, ())).out
+        ops = sharding.moegemm_local_ops("reference") if name.endswith("/moegemm") else sharding.REFERENCE_OPS
+        f = lambda a, b: sharding.ragged_dot(a, b, gs, ops=ops)
+        want = lambda a, b: ref.ragged_dot_reference(a, b, gs)
+    # The output sharding the rules produce (error cases: any, the partitioner raises first).
+    out = P() if "error" in name else sharding._spec(*out_spec())
+    if op == "shard_map":
+        op_ls = P() if "routed" in name else ls
+        inner = lambda a, b: sharding.shard_map_ragged_dot(a, b, gs, lhs_spec=op_ls, rhs_spec=rs)
+        f = lambda a, b, mesh: jax.shard_map(inner, mesh=mesh, in_specs=(ls, rs), out_specs=out)(a, b)
+    if "routed" in name:  # each dp block has its own groups: group_sizes applies per block
+        blocks = lambda a: a.reshape(2, -1, a.shape[-1])
+        want = lambda a, b: jax.vmap(lambda x: ref.ragged_dot_reference(x, b, gs))(blocks(a)).reshape(
+            a.shape[0], -1
+        )
+        out = ls
+    return lhs, rhs, f, want, out
+
+
+def _spec(s):
+    return P(*(tuple(e) if isinstance(e, list) else e for e in s))
+
+
+def _run_case(name, data) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import AxisType, NamedSharding
+
+    from moegemm.jax.sharding import ShardingRuleError, collectives_in_hlo
+
+    (shape, axes), _, ls, rs, _ = CASES[name]
+    mesh = jax.make_mesh(shape, axes, axis_types=(AxisType.Auto,) * len(axes))
+    lhs, rhs, f, want_f, out_spec = _case_fns(name, data)
+    if "shard_map" in name:
+        f = partial(f, mesh=mesh)
+    loss = lambda f: lambda a, b: jnp.sum(jnp.sin(f(a, b)))
+    a = jax.device_put(lhs, NamedSharding(mesh, _spec(ls)))
+    b = jax.device_put(rhs, NamedSharding(mesh, _spec(rs)))
+    try:
+        # Ask for the output sharding the rules produce, so the HLO shows only the op's collectives.
+        fwd = jax.jit(f, out_shardings=NamedSharding(mesh, out_spec))
+        out = fwd(a, b)
+        grad = jax.jit(jax.grad(loss(f), argnums=(0, 1)))
+        grads = grad(a, b)
+    except (ShardingRuleError, jax.errors.JaxRuntimeError) as e:
+        # The partition callback runs inside XLA's compile, which re-raises its errors.
+        return {"error": f"{type(e).__name__}: {e}"}
+    want, want_grads = want_f(lhs, rhs), jax.grad(loss(want_f), argnums=(0, 1))(lhs, rhs)
+    err = lambda got, ref: float(
+        np.max(np.abs(np.asarray(got) - np.asarray(ref))) / (1 + np.max(np.abs(ref)))
+    )
+    return {
+        "fwd_err": err(out, want),
+        "grad_err": max(err(g, r) for g, r in zip(grads, want_grads)),
+        "fwd": collectives_in_hlo(fwd.lower(a, b).compile().as_text()),
+        "grad": collectives_in_hlo(grad.lower(a, b).compile().as_text()),
+        "out_spec": str(out.sharding.spec),
+    }
+
+
+def _run_cases() -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.key(0), 5)
+    data = {
+        "gs": jnp.array(GROUP_SIZES, jnp.int32),
+        "x": jax.random.normal(keys[0], (M, K)),
+        "w": jax.random.normal(keys[1], (G, K, N)),
+        "bx": jax.random.normal(keys[2], (B, M, K)),
+        "kn": jax.random.normal(keys[3], (K, N)),
+        "nk": jax.random.normal(keys[4], (N, K)),
+    }
+    assert jax.config.jax_use_shardy_partitioner, "Shardy is JAX's default partitioner"
+    cases = {name: _run_case(name, data) for name in CASES}
+    jax.config.update("jax_use_shardy_partitioner", False)  # read at lowering: GSPMD from here on
+    gspmd = {name: _run_case(name, data) for name in GSPMD_CASES}
+    return {"devices": len(jax.devices()), "cases": cases, "gspmd": gspmd}
+
+
+if __name__ == "__main__":
+    print(json.dumps(_run_cases()))
