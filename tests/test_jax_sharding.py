@@ -10,6 +10,7 @@ tests below assert on its JSON report, one test per case.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -64,6 +65,7 @@ CASES = {
         ("ep", None, None),
         None,
     ),  # fmt: skip
+    "shard_map/dense/tp_k": (MESH_FSDP_TP, "shard_map_dense", (None, None, "tp"), ("tp", None), "kn"),
     # tokens routed per dp shard: the op sees its block as all the rows (lhs_spec P()), and dp is an
     # independent replica axis; the weight gradient must still be summed over dp
     "shard_map_routed/tokens_dp/experts_ep": (
@@ -176,14 +178,31 @@ def test_explicit_mesh_axes_raise():
 # Sharded execution on 8 fake devices (subprocess)
 
 
-@pytest.fixture(scope="module")
-def report():
+def _run_subprocess() -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     result["stderr"] = proc.stderr
     return result
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    """The subprocess's report, computed once per pytest session.
+
+    Under pytest-xdist each worker would start its own subprocess; the workers share the session's
+    base temp directory, so the first one runs it and the others wait on a lock and read its JSON.
+    """
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's directory, shared by the workers
+    path = root / "jax_sharding_report.json"
+    with open(root / "jax_sharding_report.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            path.write_text(json.dumps(_run_subprocess()))
+    return json.loads(path.read_text())
 
 
 def _check_numerics(case):
@@ -281,9 +300,9 @@ def test_gspmd_partitioner_same_rules(report, name):
 
 
 def test_shard_map_same_collectives_as_jit(report):
-    for name in ("tokens_dp/experts_ep", "tokens_dp_ep/experts_ep"):
+    for name in ("gmm/tokens_dp/experts_ep", "gmm/tokens_dp_ep/experts_ep", "dense/tp_k"):
         ops = lambda n: sorted(c["op"] for c in _ops(report, n))
-        assert ops(f"shard_map/{name}") == ops(f"gmm/{name}")
+        assert ops(f"shard_map/{name.removeprefix('gmm/')}") == ops(name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -300,7 +319,7 @@ def _case_fns(name, data):
 
     _, op, ls, rs, layout = CASES[name]
     ls, rs, gs = _spec(ls), _spec(rs), data["gs"]
-    if op == "dense":
+    if op in ("dense", "shard_map_dense"):
         lhs, rhs = data["bx"], data[layout]
         out_spec = lambda: collective_gemm.plan_dense(ls, rs, 3, 2, layout).out
         f = lambda a, b: collective_gemm.dense(a, b, rhs_layout=layout)
@@ -316,6 +335,11 @@ def _case_fns(name, data):
     if op == "shard_map":
         op_ls = P() if "routed" in name else ls
         inner = lambda a, b: sharding.shard_map_ragged_dot(a, b, gs, lhs_spec=op_ls, rhs_spec=rs)
+        f = lambda a, b, mesh: jax.shard_map(inner, mesh=mesh, in_specs=(ls, rs), out_specs=out)(a, b)
+    if op == "shard_map_dense":
+        inner = lambda a, b: collective_gemm.shard_map_dense(
+            a, b, lhs_spec=ls, rhs_spec=rs, rhs_layout=layout
+        )
         f = lambda a, b, mesh: jax.shard_map(inner, mesh=mesh, in_specs=(ls, rs), out_specs=out)(a, b)
     if "routed" in name:  # each dp block has its own groups: group_sizes applies per block
         blocks = lambda a: a.reshape(2, -1, a.shape[-1])

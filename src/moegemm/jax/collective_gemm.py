@@ -35,8 +35,8 @@ from moegemm.jax.sharding import (
     _named,
     _require_auto_axes,
     _spec,
-    _split_minor,
     _tgmm,
+    split_weight_axes,
 )
 
 
@@ -77,14 +77,7 @@ def plan_dense(lhs_spec, rhs_spec, lhs_ndim: int, rhs_ndim: int, rhs_layout: str
     *_, r1, r2 = _dims(rhs_spec, rhs_ndim)
     kr, nr = (r1, r2) if rhs_layout == "kn" else (r2, r1)
     batch = tuple(a for d in b for a in d)
-    fsdp_k, fsdp_n = tuple(a for a in kr if a in batch), tuple(a for a in nr if a in batch)
-    kr_keep = _split_minor(kr, fsdp_k, "rhs K (FSDP all-gather)")
-    nr_keep = _split_minor(nr, fsdp_n, "rhs N (FSDP all-gather)")
-    if kr_keep and nr_keep:
-        raise ShardingRuleError(
-            f"rhs is partitioned on both K (mesh axes {kr_keep}) and N (mesh axes {nr_keep}); "
-            "collective-GEMM rules need one of them replicated."
-        )
+    (fsdp_k, fsdp_n), (kr_keep, nr_keep) = split_weight_axes(kr, nr, fsdp_axes=batch)
     k = kr_keep or tuple(a for a in kl if a not in batch + m + nr_keep)
     m_keep = _minus(m, k + nr_keep)  # all-gather LHS along M where the weight uses the axis
     scatter = k if m else ()

@@ -139,6 +139,25 @@ def _split_minor(axes: Axes, gather: Axes, what: str) -> Axes:
     return keep
 
 
+def split_weight_axes(k: Axes, n: Axes, fsdp_axes: Axes) -> tuple[tuple[Axes, Axes], tuple[Axes, Axes]]:
+    """((FSDP axes to all-gather out of K, N), (axes K, N keep)) for a weight sharded K over k, N over n.
+
+    The axes in fsdp_axes (those sharding the activation's batch) are FSDP; they must be minor.
+    What remains may shard K or N, not both: ShardingRuleError names the axes.
+    """
+    fsdp = tuple(a for a in k if a in fsdp_axes), tuple(a for a in n if a in fsdp_axes)
+    keep = (
+        _split_minor(k, fsdp[0], "rhs K (FSDP all-gather)"),
+        _split_minor(n, fsdp[1], "rhs N (FSDP all-gather)"),
+    )
+    if keep[0] and keep[1]:
+        raise ShardingRuleError(
+            f"rhs is sharded over mesh axes {keep[0]} on K and {keep[1]} on N; the rules serve a "
+            "sharded K or a sharded N, not both. Replicate one of them (or shard the batch on it: FSDP)."
+        )
+    return fsdp, keep
+
+
 @dataclasses.dataclass(frozen=True)
 class GmmPlan:
     """How out [M, N] = ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G]) runs per shard.
@@ -178,14 +197,7 @@ def plan_gmm(
     m, kl = _dims(lhs_spec, 2)
     g, kr, nr = _dims(rhs_spec, 3)
     # FSDP: a weight dimension sharded over an axis that also shards the tokens is all-gathered.
-    fsdp_k, fsdp_n = tuple(a for a in kr if a in m), tuple(a for a in nr if a in m)
-    kr_keep = _split_minor(kr, fsdp_k, "rhs K (FSDP all-gather)")
-    nr_keep = _split_minor(nr, fsdp_n, "rhs N (FSDP all-gather)")
-    if kr_keep and nr_keep:
-        raise ShardingRuleError(
-            f"rhs is sharded over mesh axes {kr_keep} on K and {nr_keep} on N; the rules serve a "
-            "sharded K or a sharded N, not both. Replicate one of them (or shard the tokens on it: FSDP)."
-        )
+    (fsdp_k, fsdp_n), (kr_keep, nr_keep) = split_weight_axes(kr, nr, fsdp_axes=m)
     # K: follow rhs; if rhs K is replicated, adopt lhs's K axes (rhs is then sliced locally, no comm).
     k = kr_keep or tuple(a for a in kl if a not in g + nr_keep + m)
     # EP: tokens sharded over an experts axis are all-gathered, and the output reduce-scattered back.
