@@ -29,6 +29,8 @@ def k_grouped_mm_kernel(
     NUM_PROGRAMS: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_G: tl.constexpr,
+    A_K_CONTIGUOUS: tl.constexpr,  # stride_ak == 1: a is row-major
+    WIDE_OFFSETS: tl.constexpr,
     ACCUMULATE: tl.constexpr,  # out = c + a^T b instead of a^T b
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot is wrong on bf16 operands
     PRECISION: tl.constexpr,
@@ -38,36 +40,48 @@ def k_grouped_mm_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     n_tiles = tl.cdiv(N, BLOCK_N)
     tiles_per_group = k_tiles * n_tiles
-    offs_k0 = tl.arange(0, BLOCK_K)
-    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
+    if WIDE_OFFSETS:  # a stride times a block size may not fit in int32
+        offs_k = offs_k.to(tl.int64)
+        offs_n = offs_n.to(tl.int64)
+        offs_r = offs_r.to(tl.int64)
     for tile in range(pid, G * tiles_per_group, NUM_PROGRAMS):
         g = tile // tiles_per_group
         k_tile, n_tile = swizzle_tile(tile % tiles_per_group, k_tiles, n_tiles, GROUP_M)
         row_start = pick(starts, offs, g)
         row_end = pick(ends, offs, g)
-        ks = k_tile * BLOCK_K + offs_k0
-        cols = n_tile * BLOCK_N + offs_n0
-        k_mask = ks < K
-        col_mask = cols < N
+        k_mask = offs_k < K - k_tile * BLOCK_K
+        col_mask = offs_n < N - n_tile * BLOCK_N
 
-        a_ptrs = a_ptr + (row_start + offs_r)[None, :] * stride_am + ks[:, None].to(tl.int64) * stride_ak
-        b_ptrs = b_ptr + (row_start + offs_r)[:, None] * stride_bm + cols[None, :].to(tl.int64) * stride_bn
+        # 64-bit scalar bases advanced from the loop variable (not loop-carried, so alignment facts
+        # survive for cp.async pipelining); per-element offsets inside a tile stay 32-bit.
+        a_base = a_ptr + row_start * stride_am + (k_tile * BLOCK_K).to(tl.int64) * stride_ak
+        b_base = b_ptr + row_start * stride_bm + (n_tile * BLOCK_N).to(tl.int64) * stride_bn
+        if A_K_CONTIGUOUS:  # row-major a: load [BLOCK_R, BLOCK_K] as stored, transpose in smem
+            a_offs = offs_r[:, None] * stride_am + offs_k[None, :] * stride_ak
+        else:
+            a_offs = offs_k[:, None] * stride_ak + offs_r[None, :] * stride_am
+        b_offs = offs_r[:, None] * stride_bm + offs_n[None, :] * stride_bn
         acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
         for r in range(row_start, row_end, BLOCK_R):
             r_mask = offs_r < row_end - r
-            a = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=r_mask[:, None] & col_mask[None, :], other=0.0)
+            step = r - row_start
+            if A_K_CONTIGUOUS:
+                a = tl.trans(tl.load(a_base + step * stride_am + a_offs, mask=r_mask[:, None] & k_mask[None, :], other=0.0))
+            else:
+                a = tl.load(a_base + step * stride_am + a_offs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+            b = tl.load(b_base + step * stride_bm + b_offs, mask=r_mask[:, None] & col_mask[None, :], other=0.0)
             if UPCAST:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
-            a_ptrs += BLOCK_R * stride_am
-            b_ptrs += BLOCK_R * stride_bm
 
         out_offs = (
-            g.to(tl.int64) * stride_og
-            + ks[:, None].to(tl.int64) * stride_ok + cols[None, :].to(tl.int64) * stride_on
+            g.to(tl.int64) * stride_og + (k_tile * BLOCK_K).to(tl.int64) * stride_ok
+            + (n_tile * BLOCK_N).to(tl.int64) * stride_on
+            + (offs_k[:, None] * stride_ok + offs_n[None, :] * stride_on)
         )  # fmt: skip
         out_mask = k_mask[:, None] & col_mask[None, :]
         if ACCUMULATE:
@@ -85,7 +99,12 @@ class KGroupedLaunch:
 
     @staticmethod
     def make(M: int, N: int, K: int, G: int, *, config, num_programs_cap: int, fp32_inputs: bool,
-             accumulate: bool, interpret: bool) -> KGroupedLaunch:  # fmt: skip
+             accumulate: bool, interpret: bool, max_stride: int | None = None,
+             a_k_contiguous: bool = True) -> KGroupedLaunch:  # fmt: skip
+        """max_stride: the largest row/column stride of a, b and out[g] (default: contiguous, max(K, N)).
+        a_k_contiguous: a's K stride is 1 (row-major a, the default for contiguous inputs).
+        """
+        max_stride = max(K, N) if max_stride is None else max_stride
         tiles = G * triton.cdiv(K, config.block_k) * triton.cdiv(N, config.block_n)
         # num_programs_cap is one wave at one program per SM; a config may ask for several per SM.
         num_programs = max(1, min(tiles, num_programs_cap * config.ctas_per_sm))
@@ -93,6 +112,8 @@ class KGroupedLaunch:
             NUM_PROGRAMS=num_programs,
             BLOCK_K=config.block_k, BLOCK_N=config.block_n, BLOCK_R=config.block_r,
             GROUP_M=config.group_m, BLOCK_G=max(16, triton.next_power_of_2(G)),
+            A_K_CONTIGUOUS=a_k_contiguous,
+            WIDE_OFFSETS=2 * max(config.block_k, config.block_n, config.block_r) * max_stride >= 2**31,
             ACCUMULATE=accumulate,
             UPCAST=interpret,
             PRECISION="ieee" if fp32_inputs or interpret else "tf32",

@@ -80,6 +80,8 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool) -> None:
     launch = KGroupedLaunch.make(
         M, N, K, G, config=config, num_programs_cap=programs,
         fp32_inputs=a.dtype == torch.float32, accumulate=accumulate, interpret=target == "interpret",
+        max_stride=max(map(abs, (*a.stride(), *b.stride(), *out.stride()[1:]))),
+        a_k_contiguous=a.stride(1) == 1 and a.stride(0) != 1,
     )  # fmt: skip
     with _device_guard(a.device):
         k_grouped_mm_kernel[launch.grid](
