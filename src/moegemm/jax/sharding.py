@@ -249,14 +249,23 @@ def _all_gather(x, axes: Axes, axis: int):
     return jax.lax.all_gather(x, axes, axis=axis, tiled=True) if axes else x
 
 
-def gmm_local(plan: GmmPlan, ops: LocalOps, out_dtype, lhs, rhs, group_sizes):
-    """Run `plan` on this shard's blocks (inside a partitioned computation or shard_map)."""
+def _local_groups(rows: Axes, experts: Axes, group_sizes, M_local: int, G_local: int):
+    """(group sizes clipped to this shard's rows, group_offset of its experts or None)."""
+    if rows:
+        group_sizes = shard_group_sizes(group_sizes, _linear_index(rows) * M_local, M_local)
+    return group_sizes, _linear_index(experts) * G_local if experts else None
+
+
+def _gmm_gather(plan: GmmPlan, lhs, rhs, group_sizes):
+    """The plan's all-gathers: (lhs rows, rhs, local group sizes, group_offset) for the local call."""
     rhs = _all_gather(_all_gather(rhs, plan.rhs_gather[0], 1), plan.rhs_gather[1], 2)
     lhs = _all_gather(lhs, plan.row_gather, 0)
-    M_local, G_local = lhs.shape[0], rhs.shape[0]
-    if plan.rows:
-        group_sizes = shard_group_sizes(group_sizes, _linear_index(plan.rows) * M_local, M_local)
-    offset = _linear_index(plan.experts) * G_local if plan.experts else None
+    return lhs, rhs, *_local_groups(plan.rows, plan.experts, group_sizes, lhs.shape[0], rhs.shape[0])
+
+
+def gmm_local(plan: GmmPlan, ops: LocalOps, out_dtype, lhs, rhs, group_sizes):
+    """Run `plan` on this shard's blocks (inside a partitioned computation or shard_map)."""
+    lhs, rhs, group_sizes, offset = _gmm_gather(plan, lhs, rhs, group_sizes)
     acc = jnp.float32 if plan.reduces else out_dtype
     out = ops.ragged_dot(lhs, rhs, group_sizes, offset, acc)
     if plan.psum:
@@ -300,11 +309,8 @@ def plan_tgmm(a_spec, b_spec, like_spec) -> TgmmPlan:
 
 
 def tgmm_local(plan: TgmmPlan, ops: LocalOps, out_dtype, a, b, group_sizes, num_groups: int):
-    M_local = a.shape[0]
-    if plan.rows:
-        group_sizes = shard_group_sizes(group_sizes, _linear_index(plan.rows) * M_local, M_local)
     G_local = num_groups // math.prod(jax.lax.axis_size(x) for x in plan.experts)
-    offset = _linear_index(plan.experts) * G_local if plan.experts else None
+    group_sizes, offset = _local_groups(plan.rows, plan.experts, group_sizes, a.shape[0], G_local)
     out = ops.k_grouped(a, b, group_sizes, offset, G_local, jnp.float32)
     if plan.psum:
         out = jax.lax.psum(out, plan.psum)
@@ -476,15 +482,10 @@ def _shard_map_gmm_bwd(plan, ops, out_dtype, res, dout):
     replicated on. With the tokens sharded as lhs_spec says, this runs the jit backward's collectives.
     """
     lhs, rhs, group_sizes = res
-    rhs_full = _all_gather(_all_gather(rhs, plan.rhs_gather[0], 1), plan.rhs_gather[1], 2)
-    lhs_full = _all_gather(lhs, plan.row_gather, 0)
+    lhs_full, rhs_full, group_sizes, offset = _gmm_gather(plan, lhs, rhs, group_sizes)
     dout = _all_gather(dout, plan.scatter, 0)
-    M_local, G_local = lhs_full.shape[0], rhs_full.shape[0]
-    if plan.rows:
-        group_sizes = shard_group_sizes(group_sizes, _linear_index(plan.rows) * M_local, M_local)
-    offset = _linear_index(plan.experts) * G_local if plan.experts else None
     dlhs = ops.ragged_dot(dout, jnp.swapaxes(rhs_full, 1, 2), group_sizes, offset, jnp.float32)
-    drhs = ops.k_grouped(lhs_full, dout, group_sizes, offset, G_local, jnp.float32)
+    drhs = ops.k_grouped(lhs_full, dout, group_sizes, offset, rhs_full.shape[0], jnp.float32)
     if plan.row_gather:
         dlhs = jax.lax.psum_scatter(dlhs, plan.row_gather, scatter_dimension=0, tiled=True)
     for dim, axes in ((1, plan.rhs_gather[0]), (2, plan.rhs_gather[1])):
