@@ -6,8 +6,26 @@ jax-triton is imported lazily: it cannot be imported with a CPU-only jaxlib.
 from __future__ import annotations
 
 import functools
+import os
 
 from moegemm.jax._launch import KernelCall
+
+
+def _import_jax_triton():
+    """Imports jax_triton without letting it disable Triton's on-disk cache for the whole process.
+
+    jax-triton 0.3.1 sets ``os.environ["TRITON_CACHE_DIR"] = ""`` at import (jax_triton/triton_lib.py,
+    line 68); every later Triton launch from PyTorch in the same process then fails with
+    "Could not create or locate cache dir". Restore the variable as it was.
+    """
+    before = os.environ.get("TRITON_CACHE_DIR")
+    import jax_triton
+
+    if before is None:
+        os.environ.pop("TRITON_CACHE_DIR", None)
+    else:
+        os.environ["TRITON_CACHE_DIR"] = before
+    return jax_triton
 
 
 @functools.cache
@@ -21,16 +39,14 @@ def available() -> str | None:
     if not any(d.platform == "gpu" for d in jax.devices()):
         return f"JAX has no GPU device (default backend: {jax.default_backend()})"
     try:
-        import jax_triton  # noqa: F401
+        _import_jax_triton()
     except ImportError as e:
         return f"jax-triton is not importable ({e}); pip install jax-triton"
     return None
 
 
 def run(call: KernelCall):
-    import jax_triton
-
-    return jax_triton.triton_call(
+    return _import_jax_triton().triton_call(
         *call.args,
         kernel=call.kernel,
         out_shape=call.out_shape,
