@@ -19,17 +19,19 @@ import triton
 from moegemm import configs, shapes
 from moegemm.kernels.k_grouped import k_grouped_mm_kernel
 from moegemm.kernels.m_grouped import m_grouped_mm_kernel
-from moegemm.torch import k_grouped_mm, m_grouped_mm
+from moegemm.torch import _ops, k_grouped_mm, m_grouped_mm
 
 
 @contextlib.contextmanager
 def forced_config(config):
     original = configs.pick_config
     configs.pick_config = lambda *a, **k: config
+    _ops.clear_launch_cache()
     try:
         yield
     finally:
         configs.pick_config = original
+        _ops.clear_launch_cache()
 
 
 def bench(fn) -> float:

@@ -37,11 +37,47 @@ def _target(device: torch.device) -> tuple[str, str, int]:
 
 
 def _device_guard(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+# Launch descriptions depend only on static facts (shapes, dtype, device, stride class), so they
+# are memoized: the per-call host cost is then the Triton launch itself (see docs/perf-notes.md).
+@functools.lru_cache(maxsize=4096)
+def _m_launch(M, N, K, G, dtype, device, max_stride, w_k_contiguous) -> MGroupedLaunch:
+    target, device_name, programs = _target(device)
+    config = configs.pick_config(
+        "m_grouped", target, device_name=device_name, dtype=_dtype_name(dtype), G=G, N=N, K=K, M=M
+    )
+    return MGroupedLaunch.make(
+        M, N, K, G, config=config, num_programs_cap=programs,
+        fp32_inputs=dtype == torch.float32, interpret=target == "interpret",
+        max_stride=max_stride, w_k_contiguous=w_k_contiguous,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def _k_launch(M, N, K, G, dtype, device, max_stride, a_k_contiguous, accumulate) -> KGroupedLaunch:
+    target, device_name, programs = _target(device)
+    config = configs.pick_config(
+        "k_grouped", target, device_name=device_name, dtype=_dtype_name(dtype), G=G, N=N, K=K, M=M
+    )
+    return KGroupedLaunch.make(
+        M, N, K, G, config=config, num_programs_cap=programs,
+        fp32_inputs=dtype == torch.float32, accumulate=accumulate, interpret=target == "interpret",
+        max_stride=max_stride, a_k_contiguous=a_k_contiguous,
+    )  # fmt: skip
+
+
+def clear_launch_cache() -> None:
+    """Forget memoized launches (after the config cache or pick_config changed, e.g. while tuning)."""
+    _m_launch.cache_clear()
+    _k_launch.cache_clear()
 
 
 def launch_m_grouped(x, w, group_sizes, out) -> None:
@@ -49,21 +85,13 @@ def launch_m_grouped(x, w, group_sizes, out) -> None:
     G, _, N = w.shape
     if M == 0 or N == 0:
         return
-    target, device_name, programs = _target(x.device)
-    config = configs.pick_config(
-        "m_grouped", target, device_name=device_name, dtype=_dtype_name(x.dtype), G=G, N=N, K=K, M=M
+    sx, sw, so = x.stride(), w.stride(), out.stride()
+    launch = _m_launch(
+        M, N, K, G, x.dtype, x.device, max(map(abs, (*sx, sw[1], sw[2], *so))), sw[1] == 1 and sw[2] != 1
     )
-    launch = MGroupedLaunch.make(
-        M, N, K, G, config=config, num_programs_cap=programs,
-        fp32_inputs=x.dtype == torch.float32, interpret=target == "interpret",
-        max_stride=max(map(abs, (*x.stride(), *w.stride()[1:], *out.stride()))),
-        w_k_contiguous=w.stride(1) == 1 and w.stride(2) != 1,
-    )  # fmt: skip
     with _device_guard(x.device):
         m_grouped_mm_kernel[launch.grid](
-            x, w, group_sizes, M, N, K, G,
-            x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
-            out.stride(0), out.stride(1), out, **launch.meta,
+            x, w, group_sizes, M, N, K, G, sx[0], sx[1], sw[0], sw[1], sw[2], so[0], so[1], out, **launch.meta
         )  # fmt: skip
 
 
@@ -73,21 +101,15 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool) -> None:
     G = group_sizes.shape[0]
     if G == 0 or K == 0 or N == 0:
         return
-    target, device_name, programs = _target(a.device)
-    config = configs.pick_config(
-        "k_grouped", target, device_name=device_name, dtype=_dtype_name(a.dtype), G=G, N=N, K=K, M=M
-    )
-    launch = KGroupedLaunch.make(
-        M, N, K, G, config=config, num_programs_cap=programs,
-        fp32_inputs=a.dtype == torch.float32, accumulate=accumulate, interpret=target == "interpret",
-        max_stride=max(map(abs, (*a.stride(), *b.stride(), *out.stride()[1:]))),
-        a_k_contiguous=a.stride(1) == 1 and a.stride(0) != 1,
+    sa, sb, so = a.stride(), b.stride(), out.stride()
+    launch = _k_launch(
+        M, N, K, G, a.dtype, a.device, max(map(abs, (*sa, *sb, so[1], so[2]))), sa[1] == 1 and sa[0] != 1,
+        accumulate,
     )  # fmt: skip
     with _device_guard(a.device):
         k_grouped_mm_kernel[launch.grid](
-            a, b, group_sizes, out, M, N, K, G,
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-            out.stride(0), out.stride(1), out.stride(2), out, **launch.meta,
+            a, b, group_sizes, out, M, N, K, G, sa[0], sa[1], sb[0], sb[1], so[0], so[1], so[2], out,
+            **launch.meta,
         )  # fmt: skip
 
 
