@@ -40,6 +40,7 @@ def run_cases() -> list[dict]:
             from moegemm.shapes import group_sizes
 
             sizes = group_sizes(M, 32, seed=7)
+        print(f"case {name} M={M} K={K} N={N} G={len(sizes)}", flush=True)
         for dtype in DTYPES:
             gs = torch.tensor(sizes, dtype=torch.int64, device="cuda")
             x = torch.randn(M, K, device="cuda").to(dtype)
@@ -105,7 +106,10 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
-    rows = run_cases() + [run_int64_case(), run_no_sync_check()]
+    rows = run_cases()
+    print("int64 case", flush=True)
+    rows.append(run_int64_case())
+    rows.append(run_no_sync_check())
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "gpu_check.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows),
                                                              indent=1))  # fmt: skip
