@@ -20,11 +20,17 @@ def group_bounds(group_sizes: torch.Tensor, M: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def _exact_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 products of 16-bit inputs are exact (even as TF32 on a GPU); fp32 inputs need fp64 for that."""
+    return torch.float64 if dtype == torch.float32 else torch.float32
+
+
 def m_grouped_mm_reference(
     x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, *,
-    out_dtype: torch.dtype | None = None, compute_dtype: torch.dtype = torch.float32,
+    out_dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x [M, K], w [G, K, N] -> out [M, N]; for g: out[rows(g)] = x[rows(g)] @ w[g]; unowned rows 0."""
+    compute_dtype = compute_dtype or _exact_dtype(x.dtype)
     out = torch.zeros(x.shape[0], w.shape[-1], dtype=compute_dtype, device=x.device)
     for g, (start, end) in enumerate(group_bounds(group_sizes, x.shape[0])):
         if end > start:
@@ -35,9 +41,10 @@ def m_grouped_mm_reference(
 def k_grouped_mm_reference(
     a: torch.Tensor, b: torch.Tensor, group_sizes: torch.Tensor, *,
     out: torch.Tensor | None = None, accumulate: bool = False,
-    out_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype = torch.float32,
+    out_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """a [M, K], b [M, N] -> out [G, K, N]; for g: out[g] (+)= a[rows(g)]^T @ b[rows(g)]."""
+    compute_dtype = compute_dtype or _exact_dtype(a.dtype)
     G = group_sizes.shape[0]
     result = torch.zeros(G, a.shape[1], b.shape[1], dtype=compute_dtype, device=a.device)
     for g, (start, end) in enumerate(group_bounds(group_sizes, a.shape[0])):
