@@ -20,12 +20,12 @@ from moegemm.kernels.schedule import group_row_bounds, pick, swizzle_tile
 
 @triton.jit
 def k_grouped_mm_kernel(
-    a_ptr, b_ptr, group_sizes_ptr, c_ptr,
+    # Pointer order and constexpr-able sizes/strides as in m_grouped_mm_kernel.
+    a_ptr, b_ptr, group_sizes_ptr, c_ptr, out_ptr,
     M, N, K, G,
     stride_am, stride_ak,
     stride_bm, stride_bn,
     stride_og, stride_ok, stride_on,
-    out_ptr,  # outputs come after every input and scalar (jax-triton's calling convention)
     NUM_PROGRAMS: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_G: tl.constexpr,

@@ -22,12 +22,14 @@ from moegemm.kernels.schedule import group_row_bounds, pick, swizzle_tile
 
 @triton.jit
 def m_grouped_mm_kernel(
-    x_ptr, w_ptr, group_sizes_ptr,
+    # Pointers first, the output last among them; sizes and strides follow so that jax-triton can
+    # pass them as constexprs (its runtime int scalars carry no divisibility facts, which would
+    # disable vectorized, pipelined loads). PyTorch passes them as ordinary runtime ints.
+    x_ptr, w_ptr, group_sizes_ptr, out_ptr,
     M, N, K, G,
     stride_xm, stride_xk,
     stride_wg, stride_wk, stride_wn,
     stride_om, stride_on,
-    out_ptr,  # outputs come after every input and scalar (jax-triton's calling convention)
     NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_G: tl.constexpr,

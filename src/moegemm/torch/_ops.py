@@ -91,7 +91,7 @@ def launch_m_grouped(x, w, group_sizes, out) -> None:
     )
     with _device_guard(x.device):
         m_grouped_mm_kernel[launch.grid](
-            x, w, group_sizes, M, N, K, G, sx[0], sx[1], sw[0], sw[1], sw[2], so[0], so[1], out, **launch.meta
+            x, w, group_sizes, out, M, N, K, G, sx[0], sx[1], sw[0], sw[1], sw[2], so[0], so[1], **launch.meta
         )  # fmt: skip
 
 
@@ -108,7 +108,7 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool) -> None:
     )  # fmt: skip
     with _device_guard(a.device):
         k_grouped_mm_kernel[launch.grid](
-            a, b, group_sizes, out, M, N, K, G, sa[0], sa[1], sb[0], sb[1], so[0], so[1], so[2], out,
+            a, b, group_sizes, out, out, M, N, K, G, sa[0], sa[1], sb[0], sb[1], so[0], so[1], so[2],
             **launch.meta,
         )  # fmt: skip
 
