@@ -103,7 +103,7 @@ def m_grouped_mm(
     group_sizes = as_group_sizes(group_sizes, w.shape[0], x.device)
     if checks_enabled(check):
         check_group_sizes_values(group_sizes, x.shape[0])
-    return _ops.m_grouped_mm_op(x, w, group_sizes, resolve_backend(backend, x.device))
+    return _ops.m_grouped(x, w, group_sizes, resolve_backend(backend, x.device))
 
 
 def k_grouped_mm(
@@ -137,12 +137,12 @@ def k_grouped_mm(
             raise ValueError("accumulate=True needs out=, the fp32 buffer to accumulate into")
         if out_dtype not in FLOAT_DTYPES:
             raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
-        return _ops.k_grouped_mm_op(a, b, group_sizes, out_dtype, backend)
+        return _ops.k_grouped(a, b, group_sizes, out_dtype, backend)
     if tuple(out.shape) != (G, K, N):
         raise ValueError(f"out must have shape [G, K, N] = {(G, K, N)}, got {tuple(out.shape)}")
     if out.device != a.device:
         raise ValueError(f"out is on {out.device} but a and b are on {a.device}")
     if out.dtype not in FLOAT_DTYPES or (accumulate and out.dtype != torch.float32):
         raise TypeError(f"out must be float32 to accumulate (bf16/fp16 allowed otherwise), got {out.dtype}")
-    _ops.k_grouped_mm_out_op(a, b, group_sizes, out, accumulate, backend)
+    _ops.k_grouped_out(a, b, group_sizes, out, accumulate, backend)
     return out

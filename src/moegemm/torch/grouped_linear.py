@@ -84,7 +84,7 @@ def _add_bias_rows(y: torch.Tensor, bias: torch.Tensor, group_sizes: torch.Tenso
 def _bias_grad(dy: torch.Tensor, group_sizes: torch.Tensor, dtype: torch.dtype, backend: str) -> torch.Tensor:
     """dbias [G, N]: for g: dbias[g] = sum(dy[rows(g)], 0); an empty group gives exact zeros."""
     ones = _ones_column(dy, dy.shape[0])
-    return _ops.k_grouped_mm_op(ones, dy, group_sizes, dtype, backend).squeeze(1)
+    return _ops.k_grouped(ones, dy, group_sizes, dtype, backend).squeeze(1)
 
 
 # Megatron/TE convention for fused wgrad accumulation: when the weight has ``grad_added_to_main_grad``,
@@ -115,7 +115,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group_sizes, main_grad, dummy_wgrad, out, backend, fuse, delay, state):
         if out is None:
-            y = _ops.m_grouped_mm_op(x, weight.mT, group_sizes, backend)
+            y = _ops.m_grouped(x, weight.mT, group_sizes, backend)
         else:
             _m_grouped_mm_into(x, weight.mT, group_sizes, out, backend)
             ctx.mark_dirty(out)
@@ -139,7 +139,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         dx = dw = db = None
         if need_x:
             # dx[rows(g)] = dy[rows(g)] @ W[g]: the stored [G, N, K] weight is already the [G, K', N'] operand.
-            dx = _ops.m_grouped_mm_op(dy, weight, group_sizes, backend)
+            dx = _ops.m_grouped(dy, weight, group_sizes, backend)
         if delay and (need_w or need_b):
             if state.pending is not None:
                 raise RuntimeError(
@@ -161,8 +161,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
 def _weight_grad(x, dy, group_sizes, main_grad, backend, fuse, dtype) -> torch.Tensor | None:
     """dW[g] = dy[rows(g)]^T @ x[rows(g)] in the weight's [G, N, K] storage layout, or main_grad += dW."""
     if not fuse:
-        return _ops.k_grouped_mm_op(dy, x, group_sizes, dtype, backend)
-    _ops.k_grouped_mm_out_op(dy, x, group_sizes, main_grad, True, backend)
+        return _ops.k_grouped(dy, x, group_sizes, dtype, backend)
+    _ops.k_grouped_out(dy, x, group_sizes, main_grad, True, backend)
     return None
 
 
