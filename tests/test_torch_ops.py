@@ -109,10 +109,11 @@ def _mm_args(M=10, K=8, N=6, G=2, dtype=torch.float32):
         (lambda x, w, gs: (x, w, [1, 2, 3]), ValueError, "3 entries but the weight has G=2"),
         (lambda x, w, gs: (x, w, torch.tensor([4.0, 6.0])), TypeError, "int32 or int64, got torch.float32"),
         (lambda x, w, gs: (x, w, torch.tensor([[4, 6]])), ValueError, r"1-D \[G\], got shape \(1, 2\)"),
+        (lambda x, w, gs: (x, w, [4.0, 6.5]), TypeError, r"must hold integers, got \[4.0, 6.5\]"),
         (lambda x, w, gs: (x.half(), w, gs), TypeError, "share a dtype"),
         (lambda x, w, gs: (x.to(torch.int32), w, gs), TypeError, "x must be bfloat16, float16 or float32"),
     ],
-    ids=["k-mismatch", "x-rank", "group-count", "sizes-dtype", "sizes-rank", "mixed-dtype", "int-x"],
+    ids=["k-mismatch", "x-rank", "group-count", "sizes-dtype", "sizes-rank", "float-list", "mixed-dtype", "int-x"],
 )
 def test_m_grouped_bad_input(mutate, exc, match):
     with pytest.raises(exc, match=match):

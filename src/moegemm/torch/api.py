@@ -8,6 +8,7 @@ interpreter, reference otherwise. An explicit choice that cannot be served raise
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Sequence
 from typing import Literal
@@ -39,13 +40,20 @@ def as_group_sizes(group_sizes: GroupSizes, G: int | None, device: torch.device)
     """group_sizes as a 1-D int32/int64 tensor on ``device``; lists go through pinned memory, no sync."""
     if not isinstance(group_sizes, torch.Tensor):
         values = list(group_sizes)
+        if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values):
+            raise TypeError(f"group_sizes must hold integers, got {values[:8]}")
         group_sizes = torch.tensor(values, dtype=torch.int32, pin_memory=device.type == "cuda")
     if group_sizes.dtype not in INDEX_DTYPES:
         raise TypeError(f"group_sizes must be int32 or int64, got {group_sizes.dtype}")
     if group_sizes.dim() != 1:
         raise ValueError(f"group_sizes must be 1-D [G], got shape {tuple(group_sizes.shape)}")
-    if G is not None and group_sizes.shape[0] != G:
-        raise ValueError(f"group_sizes has {group_sizes.shape[0]} entries but the weight has G={G} groups")
+    count = group_sizes.shape[0]
+    if G is not None and isinstance(count, int) and count != G:
+        raise ValueError(f"group_sizes has {count} entries but the weight has G={G} groups")
+    if G is not None and not isinstance(count, int):
+        # A data-dependent length under torch.compile (e.g. from bincount): a runtime assertion, since
+        # an `if` on it cannot be traced.
+        torch._check_value(count == G, lambda: f"group_sizes must have one entry per group, G={G}")
     if group_sizes.device != device:
         group_sizes = group_sizes.to(device, non_blocking=True)
     return group_sizes if group_sizes.is_contiguous() else group_sizes.contiguous()
