@@ -38,32 +38,9 @@ SIZES_REPLAY = (  # each sums to <= M_REPLAY: empty groups, one hot expert, a ze
 )
 
 
-def linear_loop(weight, bias, x, sizes, dy):
-    """fp64 oracle on the CPU: one nn.Linear per expert; returns y, dx, dW [G, N, K], db [G, N] or None."""
-    G, N, K = weight.shape
-    experts = []
-    for g in range(G):
-        lin = nn.Linear(K, N, bias=bias is not None, dtype=torch.float64)
-        with torch.no_grad():
-            lin.weight.copy_(weight[g].detach().cpu())
-            if bias is not None:
-                lin.bias.copy_(bias[g].detach().cpu())
-        experts.append(lin)
-    xr = x.detach().cpu().double().requires_grad_()
-    outs, start = [], 0
-    for lin, size in zip(experts, sizes):
-        outs.append(lin(xr[start : start + size]))
-        start += size
-    outs.append(xr.new_zeros(xr.shape[0] - start, N))
-    y = torch.cat(outs)
-    y.backward(dy.detach().cpu().double())
-    db = torch.stack([lin.bias.grad for lin in experts]) if bias is not None else None
-    return y.detach(), xr.grad, torch.stack([lin.weight.grad for lin in experts]), db
-
-
 def check_replays(device: str, dtype: torch.dtype, fuse: bool, capture: bool) -> list[dict]:
     """Section 1: one captured fwd+bwd, replayed for every entry of SIZES_REPLAY."""
-    from moegemm.testing import REL_TOL, relerr
+    from moegemm.testing import REL_TOL, linear_loop_reference, relerr
     from moegemm.torch import GroupedLinear
 
     M, K, N = 256, 96, 80
@@ -115,7 +92,7 @@ def check_replays(device: str, dtype: torch.dtype, fuse: bool, capture: bool) ->
         run()
         if device == "cuda":
             torch.cuda.synchronize()
-        ry, rdx, rdw, rdb = linear_loop(module.weight, module.bias, x, sizes, dy)
+        ry, rdx, rdw, rdb = linear_loop_reference(module.weight, module.bias, x, sizes, dy)
         dw = module.weight.main_grad if fuse else module.weight.grad
         errs = {
             "y": relerr(static_y.detach().cpu(), ry),

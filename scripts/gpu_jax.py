@@ -25,6 +25,7 @@ import numpy as np
 
 from moegemm import shapes
 from moegemm.jax import _launch, api
+from moegemm.semantics import group_bounds
 
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
 REL_TOL = {"bf16": 8e-3, "fp16": 1.5e-3, "fp32": 2e-5}
@@ -44,25 +45,16 @@ def cases() -> list[tuple[str, int, int, int, list[int]]]:
     return out
 
 
-def bounds(sizes, M):
-    out, end = [], 0
-    for size in sizes:
-        size = min(max(int(size), 0), M)
-        out.append((min(end, M), min(end + size, M)))
-        end += size
-    return out
-
-
 def np_m_grouped(x, w, sizes):
     out = np.zeros((x.shape[0], w.shape[2]))
-    for g, (s, e) in enumerate(bounds(sizes, x.shape[0])):
+    for g, (s, e) in enumerate(group_bounds(sizes, x.shape[0])):
         out[s:e] = x[s:e] @ w[g]
     return out
 
 
 def np_k_grouped(a, b, sizes):
     out = np.zeros((len(sizes), a.shape[1], b.shape[1]))
-    for g, (s, e) in enumerate(bounds(sizes, a.shape[0])):
+    for g, (s, e) in enumerate(group_bounds(sizes, a.shape[0])):
         out[g] = a[s:e].T @ b[s:e]
     return out
 
@@ -132,7 +124,7 @@ def run_case(name, M, K, N, sizes, dname, key) -> list[dict]:
         err = relerr(f64(got), want)
         rows.append(dict(case=name, M=M, K=K, N=N, G=G, dtype=dname, op=what, relerr=err,
                          tol=REL_TOL[tol_key], ok=bool(err <= REL_TOL[tol_key])))  # fmt: skip
-    empty = [g for g, (s, e) in enumerate(bounds(sizes, M)) if e == s]
+    empty = [g for g, (s, e) in enumerate(group_bounds(sizes, M)) if e == s]
     if empty:
         zero = not np.asarray(jnp.asarray(dw, jnp.float32))[empty].any()
         rows.append(dict(case=name, M=M, K=K, N=N, G=G, dtype=dname, op="empty-groups-zero-dw",

@@ -17,21 +17,10 @@ import torch
 import triton
 
 from moegemm import configs, shapes
+from moegemm.bench.tune import force_config
 from moegemm.kernels.k_grouped import k_grouped_mm_kernel
 from moegemm.kernels.m_grouped import m_grouped_mm_kernel
-from moegemm.torch import _ops, k_grouped_mm, m_grouped_mm
-
-
-@contextlib.contextmanager
-def forced_config(config):
-    original = configs.pick_config
-    configs.pick_config = lambda *a, **k: config
-    _ops.clear_launch_cache()
-    try:
-        yield
-    finally:
-        configs.pick_config = original
-        _ops.clear_launch_cache()
+from moegemm.torch import k_grouped_mm, m_grouped_mm
 
 
 def bench(fn) -> float:
@@ -69,7 +58,7 @@ def main() -> None:
             candidates = configs.candidates(kind, "sm90") if args.sweep else [None]
             results = []
             for cfg in candidates:
-                with forced_config(cfg) if cfg else contextlib.nullcontext():
+                with force_config(cfg) if cfg else contextlib.nullcontext():
                     try:
                         got = ours().float()
                     except Exception as e:  # noqa: BLE001 - a config may not compile (smem); report it

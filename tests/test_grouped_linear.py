@@ -7,7 +7,7 @@ import torch
 from conftest import DEVICE
 from torch import nn
 
-from moegemm.testing import assert_rel_close
+from moegemm.testing import assert_rel_close, linear_loop_reference
 from moegemm.torch import GroupedLinear
 
 G, M, K, N = 4, 37, 24, 20
@@ -15,29 +15,8 @@ SIZES = [10, 0, 15, 12]  # sums to M, group 1 empty
 
 
 def linear_loop(module: GroupedLinear, x: torch.Tensor, sizes: list[int], dy: torch.Tensor):
-    """fp64 oracle: one nn.Linear per expert over its rows, zeros for rows past sum(sizes).
-
-    Returns y, dx, dweight [G, N, K] and dbias [G, N] (None without bias).
-    """
-    experts = []
-    for g in range(G):
-        lin = nn.Linear(K, N, bias=module.bias is not None, dtype=torch.float64)
-        with torch.no_grad():
-            lin.weight.copy_(module.weight[g].cpu())
-            if module.bias is not None:
-                lin.bias.copy_(module.bias[g].cpu())
-        experts.append(lin)
-    xr = x.detach().cpu().double().requires_grad_()
-    outs, start = [], 0
-    for lin, size in zip(experts, sizes):
-        outs.append(lin(xr[start : start + size]))
-        start += size
-    outs.append(xr.new_zeros(xr.shape[0] - start, N))
-    y = torch.cat(outs)
-    y.backward(dy.cpu().double())
-    dw = torch.stack([lin.weight.grad for lin in experts])
-    db = torch.stack([lin.bias.grad for lin in experts]) if module.bias is not None else None
-    return y.detach(), xr.grad, dw, db
+    """fp64 oracle: one nn.Linear per expert over its rows; y, dx, dweight [G, N, K], dbias [G, N] or None."""
+    return linear_loop_reference(module.weight, module.bias, x, sizes, dy)
 
 
 def make_inputs(dtype: torch.dtype, rows: int = M, seed: int = 0):

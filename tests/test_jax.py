@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from moegemm import shapes
 from moegemm.jax import _interpret, api
 from moegemm.jax import reference as jref
+from moegemm.semantics import group_bounds
 
 # The Triton interpreter itself trips this numpy deprecation on every scalar index.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -42,20 +43,10 @@ CASES = [
 # ---------------------------------------------------------------- fp64 numpy oracle
 
 
-def bounds(sizes, M: int) -> list[tuple[int, int]]:
-    """The kernels' clamping: size -> [0, M], offsets are prefix sums clamped at M."""
-    out, end = [], 0
-    for size in sizes:
-        size = min(max(int(size), 0), M)
-        out.append((min(end, M), min(end + size, M)))
-        end += size
-    return out
-
-
 def np_m_grouped(x, w, sizes):
     x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
     out = np.zeros((x.shape[0], w.shape[2]))
-    for g, (s, e) in enumerate(bounds(sizes, x.shape[0])):
+    for g, (s, e) in enumerate(group_bounds(sizes, x.shape[0])):
         out[s:e] = x[s:e] @ w[g]
     return out
 
@@ -63,7 +54,7 @@ def np_m_grouped(x, w, sizes):
 def np_k_grouped(a, b, sizes):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     out = np.zeros((len(sizes), a.shape[1], b.shape[1]))
-    for g, (s, e) in enumerate(bounds(sizes, a.shape[0])):
+    for g, (s, e) in enumerate(group_bounds(sizes, a.shape[0])):
         out[g] = a[s:e].T @ b[s:e]
     return out
 

@@ -34,3 +34,30 @@ def assert_rel_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype | 
             f"want {ref[idx].item()}; {nans} NaN elements (unwritten outputs are NaN-poisoned)"
         )
     return err
+
+
+def linear_loop_reference(weight, bias, x, sizes, dy):
+    """fp64 oracle on the CPU for GroupedLinear: one nn.Linear per expert over its rows, zeros past sum(sizes).
+
+    weight [G, N, K], bias [G, N] or None, x [M, K], dy [M, N], sizes a list of ints summing to <= M.
+    Returns y [M, N], dx [M, K], dW [G, N, K] and db [G, N] (None without bias), all fp64.
+    """
+    G, N, K = weight.shape
+    experts = []
+    for g in range(G):
+        lin = torch.nn.Linear(K, N, bias=bias is not None, dtype=torch.float64)
+        with torch.no_grad():
+            lin.weight.copy_(weight[g].detach().cpu())
+            if bias is not None:
+                lin.bias.copy_(bias[g].detach().cpu())
+        experts.append(lin)
+    xr = x.detach().cpu().double().requires_grad_()
+    outs, start = [], 0
+    for lin, size in zip(experts, sizes):
+        outs.append(lin(xr[start : start + size]))
+        start += size
+    outs.append(xr.new_zeros(xr.shape[0] - start, N))
+    y = torch.cat(outs)
+    y.backward(dy.detach().cpu().double())
+    db = torch.stack([lin.bias.grad for lin in experts]) if bias is not None else None
+    return y.detach(), xr.grad, torch.stack([lin.weight.grad for lin in experts]), db

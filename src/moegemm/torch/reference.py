@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import torch
 
+from moegemm import semantics
+
 
 def group_bounds(group_sizes: torch.Tensor, M: int) -> list[tuple[int, int]]:
-    """[(start_g, end_g)] under the kernels' clamping rules. group_sizes=[3, 0, 4], M=10 -> [(0,3),(3,3),(3,7)]."""
-    bounds, end = [], 0
-    for size in group_sizes.tolist():
-        size = min(max(int(size), 0), M)
-        bounds.append((min(end, M), min(end + size, M)))
-        end += size
-    return bounds
+    """[(start_g, end_g)] of device or host sizes (one sync); see moegemm.semantics for the rule."""
+    return semantics.group_bounds(group_sizes.tolist(), M)
 
 
 def _exact_dtype(dtype: torch.dtype) -> torch.dtype:
