@@ -278,7 +278,7 @@ class GroupedLinearTest:
         error, pattern = {
             "sizes-length": (ValueError, r"group_sizes has 3 entries but the weight has G=4"),
             "sizes-float": (TypeError, r"group_sizes must be int32 or int64, got torch\.float32"),
-            "sizes-list-float": (TypeError, r"group_sizes must hold ints, got \[10\.0, 0, 15, 12\]"),
+            "sizes-list-float": (TypeError, r"group_sizes must hold integers, got \[10\.0, 0, 15, 12\]"),
             "x-features": (ValueError, r"x \[M, in_features=24\], got x of shape \(37, 25\)"),
             "x-dtype": (TypeError, r"x is torch\.float64 but GroupedLinear's parameters are torch\.float32"),
             "x-rank": (ValueError, r"x \[M, in_features=24\], got x of shape \(37, 24, 1\)"),

@@ -19,7 +19,7 @@ through Python state, which Dynamo cannot trace: compile it without fullgraph (o
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -260,8 +260,6 @@ class GroupedLinear(nn.Module):
             raise TypeError(f"x is {x.dtype} but GroupedLinear's parameters are {self.weight.dtype}")
         if x.device != self.weight.device:
             raise ValueError(f"x is on {x.device} but GroupedLinear's parameters are on {self.weight.device}")
-        if isinstance(group_sizes, Sequence) and not all(isinstance(s, int) for s in group_sizes):
-            raise TypeError(f"group_sizes must hold ints, got {list(group_sizes)}")
         group_sizes = as_group_sizes(group_sizes, G, x.device)
         M = x.shape[0]
         if checks_enabled(check):
