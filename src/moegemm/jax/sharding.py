@@ -546,7 +546,9 @@ def out_spec(lhs_spec, rhs_spec, out_rows: Axes = ()) -> P:
 
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-_HLO_COLLECTIVE = re.compile(r"= (\w+)\[([\d,]*)\][^ ]* (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+# On GPU, XLA emits async collectives whose result is a tuple ("(bf16[..], bf16[..]) all-gather-start("),
+# so the op is matched on its own and the shape is the last array type before it (the result's).
+_HLO_COLLECTIVE = re.compile(r"= .* (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 
 
 def collectives_in_hlo(text: str) -> list[dict]:
@@ -561,8 +563,9 @@ def collectives_in_hlo(text: str) -> list[dict]:
             groups = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
             iota = re.search(r"replica_groups=\[\d+,(\d+)\]<=", line)  # iota form: [num_groups,size]<=[n]
             size = len(groups.group(1).split(",")) if groups else int(iota.group(1)) if iota else None
-            shape = [int(d) for d in match.group(2).split(",") if d]
-            found.append({"op": match.group(3), "shape": shape, "group_size": size})
+            dims = re.findall(r"\w+\[([\d,]*)\]", line[: match.start(1)])[-1]
+            shape = [int(d) for d in dims.split(",") if d]
+            found.append({"op": match.group(1), "shape": shape, "group_size": size})
     return found
 
 
