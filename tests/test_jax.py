@@ -158,17 +158,21 @@ class JaxOpsTest:
         assert out.dtype == F32
         assert_close(out, np_m_grouped(x, w, sizes), F32, "bf16 in, fp32 out")
 
-    @pytest.mark.parametrize("pattern", ["".join(p) for p in itertools.product("0x", repeat=3)])
-    def test_every_empty_pattern(self, pattern):
-        sizes = [7 if c == "x" else 0 for c in pattern]
-        M, K, N = 24, 16, 16  # rows past sum(sizes) stay unowned
-        x, w, dy = randn(0, (M, K), F32), randn(1, (3, K, N), F32), randn(2, (M, N), F32)
+    def check_fwd_and_grads(self, M, K, N, sizes, what):
+        """fp32 ragged_dot and its vjp against the fp64 numpy oracle; returns dw."""
+        x, w, dy = randn(0, (M, K), F32), randn(1, (len(sizes), K, N), F32), randn(2, (M, N), F32)
         out, vjp = jax.vjp(lambda x, w: self.ragged_dot(x, w, jnp.asarray(sizes, jnp.int32)), x, w)
         dx, dw = vjp(dy)
         dx_ref, dw_ref = np_ragged_grads(x, w, sizes, dy)
-        assert_close(out, np_m_grouped(x, w, sizes), F32, f"{pattern} fwd")
-        assert_close(dx, dx_ref, F32, f"{pattern} dx")
-        assert_close(dw, dw_ref, F32, f"{pattern} dw")
+        assert_close(out, np_m_grouped(x, w, sizes), F32, f"{what} fwd")
+        assert_close(dx, dx_ref, F32, f"{what} dx")
+        assert_close(dw, dw_ref, F32, f"{what} dw")
+        return dw
+
+    @pytest.mark.parametrize("pattern", ["".join(p) for p in itertools.product("0x", repeat=3)])
+    def test_every_empty_pattern(self, pattern):
+        sizes = [7 if c == "x" else 0 for c in pattern]
+        dw = self.check_fwd_and_grads(24, 16, 16, sizes, pattern)  # rows past sum(sizes) stay unowned
         for g, c in enumerate(pattern):
             if c == "0":
                 assert not np.asarray(dw[g]).any(), f"empty group {g}: nonzero weight gradient"
@@ -268,14 +272,7 @@ class JaxOpsTest:
     @given(sizes=st.lists(st.integers(-2, 14), min_size=1, max_size=5))
     def test_hypothesis_group_sizes(self, sizes):
         """Generated sizes, negative ones and sums past M included: fwd and grads vs the fp64 oracle."""
-        M, K, N = 36, 16, 20
-        x, w, dy = randn(0, (M, K), F32), randn(1, (len(sizes), K, N), F32), randn(2, (M, N), F32)
-        out, vjp = jax.vjp(lambda x, w: self.ragged_dot(x, w, jnp.asarray(sizes, jnp.int32)), x, w)
-        dx, dw = vjp(dy)
-        dx_ref, dw_ref = np_ragged_grads(x, w, sizes, dy)
-        assert_close(out, np_m_grouped(x, w, sizes), F32, f"{sizes} fwd")
-        assert_close(dx, dx_ref, F32, f"{sizes} dx")
-        assert_close(dw, dw_ref, F32, f"{sizes} dw")
+        self.check_fwd_and_grads(36, 16, 20, sizes, str(sizes))
 
     @no_launch
     @pytest.mark.parametrize("M, K, N, G", [(0, 16, 16, 2), (12, 0, 16, 2), (12, 16, 0, 2), (12, 16, 16, 0)])
