@@ -1,46 +1,94 @@
-"""Host-side cost of one moegemm call (tiny shapes, so the GPU never limits): us/call and a cProfile.
+"""Host-side cost of moegemm calls (tiny shapes, so the GPU never limits): us/call and a cProfile.
 
-    python scripts/profile_host.py
+    python scripts/profile_host.py [--json PATH]
+
+Rows: the bare Triton launch, each public op, GroupedLinear forward and forward+backward, and floors
+measured in the same process (a one-op autograd round trip, torch._grouped_mm forward+backward) so the
+numbers can be read against what this host costs for anything.
 """
 
 from __future__ import annotations
 
+import argparse
 import cProfile
+import json
 import pstats
+import statistics
 import time
 
 import torch
 
-from moegemm.torch import k_grouped_mm, m_grouped_mm
+from moegemm.torch import GroupedLinear, _ops, k_grouped_mm, m_grouped_mm
+
+
+def us_per_call(fn, calls: int = 300, warmup: int = 20, reset=None) -> float:
+    times = []
+    for i in range(warmup + calls):
+        if reset is not None:
+            reset()
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        if i >= warmup:
+            times.append(t1 - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
 
 
 def main() -> None:
-    G, M, K, N = 8, 128, 64, 64
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    G, M, K, N = 8, 64, 64, 64
+    dt = torch.bfloat16
+    x = torch.randn(M, K, device="cuda", dtype=dt, requires_grad=True)
+    w = torch.randn(G, N, K, device="cuda", dtype=dt, requires_grad=True)
+    dy = torch.randn(M, N, device="cuda", dtype=dt)
     gs = torch.full((G,), M // G, device="cuda", dtype=torch.int32)
+    out = torch.empty(M, N, device="cuda", dtype=dt)
+    lin = GroupedLinear(G, K, N, dtype=dt, device="cuda")
+    lin_nobias = GroupedLinear(G, K, N, bias=False, dtype=dt, device="cuda")
+    xd, wd = x.detach(), w.detach()
+    scale = torch.randn(M, K, device="cuda", dtype=dt, requires_grad=True)
+
+    def clear():
+        for t in (x, w, scale, lin.weight, lin.bias, lin_nobias.weight):
+            t.grad = None
+
+    def grouped_mm_fwd_bwd():
+        offs = gs.cumsum(0, dtype=torch.int32)
+        torch._grouped_mm(x, w.mT, offs=offs).backward(dy)
+
     calls = {
-        "m_grouped fwd": lambda: m_grouped_mm(x, w.mT, gs),
-        "k_grouped wgrad": lambda: k_grouped_mm(dy, x, gs, out_dtype=torch.bfloat16),
-        "torch._grouped_mm": lambda: torch._grouped_mm(x, w.mT, offs=gs.cumsum(0, dtype=torch.int32)),
+        "bare launch_m_grouped (Triton dispatch)": lambda: _ops.launch_m_grouped(xd, wd.mT, gs, out),
+        "m_grouped_mm fwd (no grad)": lambda: m_grouped_mm(xd, wd.mT, gs),
+        "k_grouped_mm wgrad": lambda: k_grouped_mm(dy, xd, gs, out_dtype=dt),
+        "torch._grouped_mm fwd (no grad)": lambda: torch._grouped_mm(xd, wd.mT, offs=gs.cumsum(0, dtype=torch.int32)),
+        "floor: (x*s).backward(dy) one-op autograd": lambda: (x * scale).sum().backward(),
+        "torch._grouped_mm fwd+bwd": grouped_mm_fwd_bwd,
+        "GroupedLinear fwd (grad enabled)": lambda: lin(x, gs),
+        "GroupedLinear fwd+bwd": lambda: lin(x, gs).backward(dy),
+        "GroupedLinear no-bias fwd+bwd": lambda: lin_nobias(x, gs).backward(dy),
     }
+    rows = []
     for name, fn in calls.items():
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(500):
-            fn()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        print(f"{name:20s} {(t1 - t0) / 500 * 1e6:7.1f} us/call (host)")
+        try:
+            us = us_per_call(fn, reset=clear)
+            rows.append({"case": name, "us_per_call": us})
+            print(f"{name:45s} {us:7.1f} us/call (host)")
+        except Exception as e:  # noqa: BLE001 - report and go on (e.g. _grouped_mm without a backward)
+            rows.append({"case": name, "error": repr(e)[:200]})
+            print(f"{name:45s} failed: {e!r}"[:200])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(300):
-        calls["m_grouped fwd"]()
+        clear()
+        lin(x, gs).backward(dy)
     prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ from cases import edge_cases, empty_patterns, invalid_sizes
 from conftest import DEVICE
 
 from moegemm.testing import assert_rel_close
-from moegemm.torch import k_grouped_mm, k_grouped_mm_reference
+from moegemm.torch import _ops, k_grouped_mm, k_grouped_mm_reference
+from moegemm.torch.reference import grouped_column_sums
 
 
 def make_inputs(M, K, N, dtype, seed=0, transposed=False):
@@ -91,6 +92,40 @@ class KGroupedTest:
         k_grouped_mm(a, b, gs, out=out, backend=self.BACKEND)
         assert torch.equal(out[0], torch.zeros_like(out[0]))
         assert_rel_close(out.cpu(), reference(a, b, gs), torch.float32, what="out=")
+
+
+    # The fused column sums of a (GroupedLinear's bias gradient, a = dy), through the internal ops.
+    def check_colsum(self, M, K, N, sizes, dtype=torch.bfloat16, transposed=False, accumulate=None):
+        a, b = make_inputs(M, K, N, dtype, seed=3, transposed=transposed)
+        gs = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
+        want_sums = grouped_column_sums(a.cpu(), gs.cpu(), out_dtype=torch.float64, compute_dtype=torch.float64)
+        if accumulate is None:
+            out, sums = _ops.k_grouped_colsum(a, b, gs, torch.float32, dtype, self.BACKEND)
+            want = reference(a, b, gs)
+        else:
+            out = accumulate.clone()
+            sums = _ops.k_grouped_out_colsum(a, b, gs, out, True, dtype, self.BACKEND)
+            want = accumulate.cpu().double() + reference(a, b, gs)
+        assert sums.dtype == dtype and sums.shape == (len(sizes), K)
+        assert_rel_close(out.cpu(), want, torch.float32, what=f"k_grouped with colsum {sizes}")
+        assert_rel_close(sums.cpu(), want_sums, dtype, what=f"column sums {sizes}")
+        for g, is_live in enumerate(live(sizes, M)):
+            if not is_live:
+                assert torch.equal(sums[g].cpu(), torch.zeros(K, dtype=dtype)), f"empty group {g}: sums not 0"
+
+    @pytest.mark.parametrize("name,M,K,N,sizes", edge_cases(), ids=[c[0] for c in edge_cases()])
+    def test_colsum_edge_case(self, name, M, K, N, sizes):
+        self.check_colsum(M, K, N, sizes)
+
+    def test_colsum_strided_a_fp32(self):
+        self.check_colsum(77, 29, 35, [30, 0, 40], dtype=torch.float32, transposed=True)
+
+    def test_colsum_no_b_columns(self):
+        """N = 0 (in_features 0): no wgrad tile exists, the sums still have to be written."""
+        self.check_colsum(30, 12, 0, [10, 0, 20])
+
+    def test_colsum_with_accumulate(self):
+        self.check_colsum(60, 24, 20, [25, 0, 35], accumulate=torch.randn(3, 24, 20, device=DEVICE))
 
 
 class TestKGroupedTriton(KGroupedTest):

@@ -50,6 +50,35 @@ def test_m_grouped_autograd_matches_loop(backend, layout):
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("layout", ["nn-linear", "k-major"])
+@pytest.mark.parametrize("wants", ["x-w-bias", "bias-only"])
+def test_m_grouped_bias_autograd_matches_loop(backend, layout, wants):
+    """dbias comes from the wgrad launch (nn-linear layout, weight grad wanted) or its own launch (else)."""
+    M, K, N = 33, 20, 12
+    G = len(SIZES)
+    x = torch.randn(M, K, device=DEVICE, requires_grad=wants != "bias-only")
+    storage = torch.randn(G, N, K, device=DEVICE) if layout == "nn-linear" else torch.randn(G, K, N, device=DEVICE)
+    storage.requires_grad_(wants != "bias-only")
+    w = storage.mT if layout == "nn-linear" else storage
+    bias = torch.randn(G, N, device=DEVICE, requires_grad=True)
+    dy = torch.randn(M, N, device=DEVICE)
+    gs = torch.tensor(SIZES, device=DEVICE)
+    out = m_grouped_mm(x, w, gs, bias=bias, backend=backend)
+    wrt = (x, storage, bias) if wants != "bias-only" else (bias,)
+    grads = torch.autograd.grad(out, wrt, dy)
+    leaves = [t.detach().double().requires_grad_() for t in (x, storage, bias)]
+    x64, s64, b64 = leaves
+    w64 = s64.mT if layout == "nn-linear" else s64
+    rows = torch.repeat_interleave(torch.arange(G), torch.tensor(SIZES))
+    ref = per_group_loop(x64, w64, SIZES) + torch.cat([b64[rows.to(DEVICE)], b64.new_zeros(M - len(rows), N)])
+    refs = torch.autograd.grad(ref, [leaves[i] for i in ((0, 1, 2) if wants != "bias-only" else (2,))], dy.double())
+    assert_rel_close(out.detach().cpu(), ref.detach().cpu(), torch.float32, what="out")
+    for name, got, want in zip(("dx", "dw", "dbias")[-len(grads):], grads, refs, strict=True):
+        assert_rel_close(got.cpu(), want.cpu(), torch.float32, what=name)
+    assert torch.equal(grads[-1][1], torch.zeros(N, device=DEVICE)), "empty group: dbias must be exactly 0"
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_k_grouped_autograd(backend):
     M, K, N = 31, 10, 12
     a = torch.randn(M, K, device=DEVICE, requires_grad=True)
@@ -72,15 +101,17 @@ def test_torch_compile_fullgraph():
     x = torch.randn(M, K, device=DEVICE, requires_grad=True)
     gs = torch.tensor([12, 0, 28], device=DEVICE)
 
+    b1 = torch.randn(G, N, device=DEVICE, requires_grad=True)
+
     def mlp(x, gs):
-        h = torch.relu(m_grouped_mm(x, w1.mT, gs))
+        h = torch.relu(m_grouped_mm(x, w1.mT, gs, bias=b1))
         return m_grouped_mm(h, w2.mT, gs).square().sum() + k_grouped_mm(x, h, gs).sum()
 
     compiled = torch.compile(mlp, fullgraph=True, backend="aot_eager")
     loss = compiled(x, gs)
-    grads = torch.autograd.grad(loss, (x, w1, w2))
+    grads = torch.autograd.grad(loss, (x, w1, w2, b1))
     loss_eager = mlp(x, gs)
-    grads_eager = torch.autograd.grad(loss_eager, (x, w1, w2))
+    grads_eager = torch.autograd.grad(loss_eager, (x, w1, w2, b1))
     assert_rel_close(loss.detach().reshape(1).cpu(), loss_eager.detach().reshape(1).cpu(), torch.float32)
     for g, ge in zip(grads, grads_eager, strict=True):
         assert_rel_close(g.cpu(), ge.cpu(), torch.float32)
@@ -118,6 +149,21 @@ def _mm_args(M=10, K=8, N=6, G=2, dtype=torch.float32):
 def test_m_grouped_bad_input(mutate, exc, match):
     with pytest.raises(exc, match=match):
         m_grouped_mm(*mutate(*_mm_args()))
+
+
+@pytest.mark.parametrize(
+    "bias,exc,match",
+    [
+        (torch.randn(2, 5), ValueError, r"bias must be \[G, N\] = \(2, 6\) for w \(2, 8, 6\), got \(2, 5\)"),
+        (torch.randn(6), ValueError, r"bias must be \[G, N\] = \(2, 6\)"),
+        (torch.randn(2, 6, dtype=torch.float64), TypeError, "x, w and bias must share a dtype"),
+    ],
+    ids=["bias-shape", "bias-rank", "bias-dtype"],
+)
+def test_m_grouped_bad_bias(bias, exc, match):
+    x, w, gs = _mm_args()
+    with pytest.raises(exc, match=match):
+        m_grouped_mm(x, w, gs, bias=bias)
 
 
 def test_k_grouped_bad_input():

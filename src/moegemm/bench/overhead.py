@@ -1,14 +1,25 @@
 """``--overhead`` (issue 4): host CPU time per call on a tiny shape, where the GPU work is negligible.
 
-Launches are asynchronous, so timing N back-to-back calls without a sync in between measures what the
-Python/dispatch/launch path costs the host per call. Under the interpreter it measures the interpreter.
+Launches are asynchronous, so the wall time of one call without a sync measures what the Python,
+dispatch and launch path costs the host. Two groups of rows, each the median over ``calls`` calls:
+
+- one op: moegemm and torch._grouped_mm, forward and wgrad;
+- one layer forward+backward (``.backward()`` included): GroupedLinear with bias and device-side sizes,
+  the same as a loop of nn.Linear per expert, torch._grouped_mm with autograd (no bias), and a floor:
+  a one-op autograd round trip (``(x * s).sum().backward()``), what this host charges for any
+  forward+backward at all.
+
+Under the interpreter it measures the interpreter.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from moegemm import shapes
 from moegemm.bench.problem import make_problem
@@ -18,10 +29,54 @@ CASE = shapes.Case("overhead-e8", G=8, M=128, K=64, N=64)
 IMPLS = ("moegemm", "torch._grouped_mm")
 
 
+def _median_us(fn: Callable[[], object], calls: int, reset: Callable[[], None] = lambda: None) -> float:
+    times = []
+    for _ in range(calls):
+        reset()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def _layer_calls(device: torch.device, dtype: torch.dtype) -> tuple[dict[str, Callable[[], object]], Callable]:
+    from moegemm.torch import GroupedLinear
+
+    G, M, K, N = CASE.G, CASE.M, CASE.K, CASE.N
+    sizes = [M // G] * G
+    layer = GroupedLinear(G, K, N, dtype=dtype, device=device)
+    experts = nn.ModuleList(nn.Linear(K, N, dtype=dtype, device=device) for _ in range(G))
+    gs = torch.tensor(sizes, dtype=torch.int32, device=device)
+    x = torch.randn(M, K, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(G, N, K, device=device, dtype=dtype, requires_grad=True)
+    s = torch.randn(M, K, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn(M, N, device=device, dtype=dtype)
+
+    def reset():
+        for t in (x, w, s):
+            t.grad = None
+        layer.zero_grad(set_to_none=True)
+        experts.zero_grad(set_to_none=True)
+
+    calls = {
+        "GroupedLinear (bias, device sizes)": lambda: layer(x, gs).backward(dy),
+        "nn.Linear loop (bias, host sizes)": lambda: torch.cat(
+            [lin(part) for lin, part in zip(experts, x.split(sizes), strict=True)]
+        ).backward(dy),
+        "floor: one-op autograd": lambda: (x * s).sum().backward(),
+    }
+    if device.type == "cuda":
+        calls["torch._grouped_mm (no bias)"] = lambda: torch._grouped_mm(
+            x, w.mT, offs=gs.cumsum(0, dtype=torch.int32)
+        ).backward(dy)
+    return calls, reset
+
+
 def measure(device: torch.device, dtype: torch.dtype, calls: int | None = None) -> list[dict]:
     calls = calls or (200 if device.type == "cuda" else 2)
     problem = make_problem(CASE, device=device, dtype=dtype, split="balanced")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    shape = f"G{CASE.G} M{CASE.M} K{CASE.K} N{CASE.N}"
     rows = []
     for name in IMPLS:
         impl = REGISTRY.get(name)
@@ -31,13 +86,18 @@ def measure(device: torch.device, dtype: torch.dtype, calls: int | None = None) 
             fn = impl.prepare(problem, op)
             fn()  # compile / warm caches
             sync()
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            host_us = (time.perf_counter() - start) / calls * 1e6
+            host_us = _median_us(fn, calls)
             sync()
-            rows.append({"impl": name, "op": op, "host_us_per_call": host_us, "calls": calls,
-                         "shape": f"G{CASE.G} M{CASE.M} K{CASE.K} N{CASE.N}"})  # fmt: skip
+            rows.append({"impl": name, "op": op, "host_us_per_call": host_us, "calls": calls, "shape": shape})
+    layer_calls, reset = _layer_calls(device, dtype)
+    for name, fn in layer_calls.items():
+        for _ in range(3):  # compile / warm caches
+            reset()
+            fn()
+        sync()
+        host_us = _median_us(fn, calls, reset)
+        sync()
+        rows.append({"impl": name, "op": "fwd+bwd", "host_us_per_call": host_us, "calls": calls, "shape": shape})
     return rows
 
 

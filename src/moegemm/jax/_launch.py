@@ -84,9 +84,11 @@ def m_grouped_call(
         max_stride=max(K, 1, stride_wk, stride_wn, N), w_k_contiguous=stride_wk == 1 and stride_wn != 1,
     )  # fmt: skip
     sizes = dict(M=M, N=N, K=K, G=G, stride_xm=K, stride_xk=1, stride_wg=stride_wg, stride_wk=stride_wk,
-                 stride_wn=stride_wn, stride_om=N, stride_on=1)  # fmt: skip
+                 stride_wn=stride_wn, stride_om=N, stride_on=1, stride_bg=0, stride_bn=0)  # fmt: skip
     out_shape = jax.ShapeDtypeStruct((M, N), jnp.dtype(out_dtype))
-    return KernelCall(m_grouped_mm_kernel, launch.grid, (x, w, group_sizes), out_shape, {**launch.meta, **sizes}, {})
+    # No bias (HAS_BIAS=False): the kernel never reads bias_ptr; x fills the slot.
+    args = (x, w, group_sizes, x)
+    return KernelCall(m_grouped_mm_kernel, launch.grid, args, out_shape, {**launch.meta, **sizes}, {})
 
 
 def k_grouped_call(
@@ -103,10 +105,11 @@ def k_grouped_call(
         M, N, K, G, config=config, num_programs_cap=target.programs,
         fp32_inputs=a.dtype == jnp.float32, accumulate=c is not None, interpret=target.name == "interpret",
     )  # fmt: skip
-    # Without accumulation the kernel never reads c_ptr; any pointer fills the slot.
-    args = (a, b, group_sizes, a if c is None else c)
+    # Without accumulation the kernel never reads c_ptr, and without A_COLSUM it never writes
+    # a_colsum_ptr; any pointer fills those slots.
+    args = (a, b, group_sizes, a if c is None else c, a)
     sizes = dict(M=M, N=N, K=K, G=G, stride_am=K, stride_ak=1, stride_bm=N, stride_bn=1, stride_og=K * N,
-                 stride_ok=N, stride_on=1)  # fmt: skip
+                 stride_ok=N, stride_on=1, stride_sg=0, stride_sk=0)  # fmt: skip
     out_shape = jax.ShapeDtypeStruct((G, K, N), jnp.dtype(out_dtype))
     aliases = {} if c is None else {3: 0}
     return KernelCall(k_grouped_mm_kernel, launch.grid, args, out_shape, {**launch.meta, **sizes}, aliases)

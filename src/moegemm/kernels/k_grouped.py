@@ -2,6 +2,9 @@
 
 Shapes: a [M, K], b [M, N] (any strides), group_sizes [G] on the device, out [G, K, N] fp32 or
 bf16/fp16. A group with no rows writes exact zeros, or leaves out[g] untouched when accumulating.
+Optionally also ``a_colsum[g] = sum(a[rows(g)], 0)`` [G, K]: with a = dy that is the bias gradient,
+summed by the tiles of the first column block from the a tiles they load anyway (no extra launch
+and no second read of dy).
 
 Persistent kernel over the static tile space G x cdiv(K, BLOCK_K) x cdiv(N, BLOCK_N), group-major
 so that the programs running together share one group's rows of a and b in L2. The reduction runs
@@ -21,17 +24,19 @@ from moegemm.kernels.schedule import group_row_bounds, pick, swizzle_tile
 @triton.jit
 def k_grouped_mm_kernel(
     # Pointer order and constexpr-able sizes/strides as in m_grouped_mm_kernel.
-    a_ptr, b_ptr, group_sizes_ptr, c_ptr, out_ptr,
+    a_ptr, b_ptr, group_sizes_ptr, c_ptr, a_colsum_ptr, out_ptr,
     M, N, K, G,
     stride_am, stride_ak,
     stride_bm, stride_bn,
     stride_og, stride_ok, stride_on,
+    stride_sg, stride_sk,
     NUM_PROGRAMS: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_G: tl.constexpr,
     A_K_CONTIGUOUS: tl.constexpr,  # stride_ak == 1: a is row-major
     WIDE_OFFSETS: tl.constexpr,
     ACCUMULATE: tl.constexpr,  # out = c + a^T b instead of a^T b
+    A_COLSUM: tl.constexpr,  # also write a_colsum[g] = sum(a[rows(g)], 0) (fresh, never accumulated)
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot is wrong on bf16 operands
     PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -65,13 +70,21 @@ def k_grouped_mm_kernel(
             a_offs = offs_k[:, None] * stride_ak + offs_r[None, :] * stride_am
         b_offs = offs_r[:, None] * stride_bm + offs_n[None, :] * stride_bn
         acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        colsum = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for r in range(row_start, row_end, BLOCK_R):
             r_mask = offs_r < row_end - r
             step = r - row_start
             if A_K_CONTIGUOUS:
-                a = tl.trans(tl.load(a_base + step * stride_am + a_offs, mask=r_mask[:, None] & k_mask[None, :], other=0.0))
+                a = tl.load(a_base + step * stride_am + a_offs, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+                if A_COLSUM:  # summed as loaded (row-major), before the transpose for the dot
+                    if n_tile == 0:  # the tiles of the first column block cover every k of every group
+                        colsum += tl.sum(a.to(tl.float32), 0)
+                a = tl.trans(a)
             else:
                 a = tl.load(a_base + step * stride_am + a_offs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+                if A_COLSUM:
+                    if n_tile == 0:
+                        colsum += tl.sum(a.to(tl.float32), 1)
             b = tl.load(b_base + step * stride_bm + b_offs, mask=r_mask[:, None] & col_mask[None, :], other=0.0)
             if UPCAST:
                 a = a.to(tl.float32)
@@ -88,6 +101,11 @@ def k_grouped_mm_kernel(
             # c shares out's strides; it is out itself in PyTorch and a separate input in JAX.
             acc += tl.load(c_ptr + out_offs, mask=out_mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        if A_COLSUM:
+            if n_tile == 0:  # an empty group stores exact zeros
+                colsum_base = a_colsum_ptr + g.to(tl.int64) * stride_sg + (k_tile * BLOCK_K).to(tl.int64) * stride_sk
+                colsum_ptrs = colsum_base + offs_k * stride_sk
+                tl.store(colsum_ptrs, colsum.to(a_colsum_ptr.dtype.element_ty), mask=k_mask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,9 +118,10 @@ class KGroupedLaunch:
     @staticmethod
     def make(M: int, N: int, K: int, G: int, *, config, num_programs_cap: int, fp32_inputs: bool,
              accumulate: bool, interpret: bool, max_stride: int | None = None,
-             a_k_contiguous: bool = True) -> KGroupedLaunch:  # fmt: skip
+             a_k_contiguous: bool = True, a_colsum: bool = False) -> KGroupedLaunch:  # fmt: skip
         """max_stride: the largest row/column stride of a, b and out[g] (default: contiguous, max(K, N)).
         a_k_contiguous: a's K stride is 1 (row-major a, the default for contiguous inputs).
+        a_colsum: also write the per-group column sums of a (the bias gradient when a is dy).
         """
         max_stride = max(K, N) if max_stride is None else max_stride
         tiles = G * triton.cdiv(K, config.block_k) * triton.cdiv(N, config.block_n)
@@ -115,6 +134,7 @@ class KGroupedLaunch:
             A_K_CONTIGUOUS=a_k_contiguous,
             WIDE_OFFSETS=2 * max(config.block_k, config.block_n, config.block_r) * max_stride >= 2**31,
             ACCUMULATE=accumulate,
+            A_COLSUM=a_colsum,
             UPCAST=interpret,
             PRECISION="ieee" if fp32_inputs or interpret else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages,

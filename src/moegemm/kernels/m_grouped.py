@@ -1,7 +1,8 @@
-"""m-grouped GEMM kernel: ``for g: out[rows(g)] = x[rows(g)] @ w[g]``; unowned rows are written as 0.
+"""m-grouped GEMM kernel: ``for g: out[rows(g)] = x[rows(g)] @ w[g] (+ bias[g])``; unowned rows are 0.
 
 Shapes: x [M, K], w [G, K, N] (any strides; an nn.Linear weight [G, N, K] is passed as ``w.mT``),
-group_sizes [G] int32/int64 on the device, out [M, N].
+group_sizes [G] int32/int64 on the device, optional bias [G, N], out [M, N]. The bias is added to
+the fp32 accumulator before the one rounding to out's dtype (a GroupedLinear forward in one launch).
 
 Persistent kernel. The tile space is laid out group by group: group g owns
 ``cdiv(rows_g, BLOCK_M) * cdiv(N, BLOCK_N)`` consecutive tiles, and one extra slot (index G)
@@ -25,16 +26,18 @@ def m_grouped_mm_kernel(
     # Pointers first, the output last among them; sizes and strides follow so that jax-triton can
     # pass them as constexprs (its runtime int scalars carry no divisibility facts, which would
     # disable vectorized, pipelined loads). PyTorch passes them as ordinary runtime ints.
-    x_ptr, w_ptr, group_sizes_ptr, out_ptr,
+    x_ptr, w_ptr, group_sizes_ptr, bias_ptr, out_ptr,
     M, N, K, G,
     stride_xm, stride_xk,
     stride_wg, stride_wk, stride_wn,
     stride_om, stride_on,
+    stride_bg, stride_bn,
     NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_G: tl.constexpr,
     EVEN_K: tl.constexpr,
     W_K_CONTIGUOUS: tl.constexpr,  # stride_wk == 1, e.g. an nn.Linear weight [G, N, K] passed as w.mT
+    HAS_BIAS: tl.constexpr,  # add bias[g] to every owned row; bias_ptr is not read otherwise
     WIDE_OFFSETS: tl.constexpr,
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot is wrong on bf16 operands
     PRECISION: tl.constexpr,
@@ -102,6 +105,10 @@ def m_grouped_mm_kernel(
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if HAS_BIAS:  # masked off for the tail slot, whose rows stay 0
+            bias_base = bias_ptr + g.to(tl.int64) * stride_bg + col0.to(tl.int64) * stride_bn
+            bias = tl.load(bias_base + offs_n * stride_bn, mask=col_mask & (g < G), other=0.0)
+            acc += bias.to(tl.float32)[None, :]
         out_offs = offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
         tl.store(out_base + out_offs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
@@ -115,10 +122,12 @@ class MGroupedLaunch:
 
     @staticmethod
     def make(M: int, N: int, K: int, G: int, *, config, num_programs_cap: int, fp32_inputs: bool,
-             interpret: bool, max_stride: int | None = None, w_k_contiguous: bool = False) -> MGroupedLaunch:  # fmt: skip
+             interpret: bool, max_stride: int | None = None, w_k_contiguous: bool = False,
+             has_bias: bool = False) -> MGroupedLaunch:  # fmt: skip
         """max_stride: the largest row/column stride of x, w[g] and out (default: contiguous, max(K, N)).
         Element offsets inside one tile or one expert's K range are int32 unless they could overflow.
         w_k_contiguous: w's K stride is 1 (the [G, N, K] storage of an nn.Linear weight seen as [G, K, N]).
+        has_bias: the launch passes a [G, N] bias (its strides count in max_stride).
         """
         bm, bn = config.block_m, config.block_n
         max_stride = max(K, N) if max_stride is None else max_stride
@@ -132,6 +141,7 @@ class MGroupedLaunch:
             BLOCK_G=max(16, triton.next_power_of_2(G + 1)),
             EVEN_K=K % config.block_k == 0,
             W_K_CONTIGUOUS=w_k_contiguous,
+            HAS_BIAS=has_bias,
             WIDE_OFFSETS=2 * max(bm, bn, K + config.block_k) * max_stride >= 2**31,
             UPCAST=interpret,
             PRECISION="ieee" if fp32_inputs or interpret else "tf32",

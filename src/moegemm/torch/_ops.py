@@ -49,7 +49,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 # Launch descriptions depend only on static facts (shapes, dtype, device, stride class), so they
 # are memoized: the per-call host cost is then the Triton launch itself (see docs/perf-notes.md).
 @functools.lru_cache(maxsize=4096)
-def _m_launch(M, N, K, G, dtype, device, max_stride, w_k_contiguous) -> MGroupedLaunch:
+def _m_launch(M, N, K, G, dtype, device, max_stride, w_k_contiguous, has_bias) -> MGroupedLaunch:
     target, device_name, programs = _target(device)
     config = configs.pick_config(
         "m_grouped", target, device_name=device_name, dtype=_dtype_name(dtype), G=G, N=N, K=K, M=M
@@ -57,12 +57,12 @@ def _m_launch(M, N, K, G, dtype, device, max_stride, w_k_contiguous) -> MGrouped
     return MGroupedLaunch.make(
         M, N, K, G, config=config, num_programs_cap=programs,
         fp32_inputs=dtype == torch.float32, interpret=target == "interpret",
-        max_stride=max_stride, w_k_contiguous=w_k_contiguous,
+        max_stride=max_stride, w_k_contiguous=w_k_contiguous, has_bias=has_bias,
     )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4096)
-def _k_launch(M, N, K, G, dtype, device, max_stride, a_k_contiguous, accumulate) -> KGroupedLaunch:
+def _k_launch(M, N, K, G, dtype, device, max_stride, a_k_contiguous, accumulate, a_colsum) -> KGroupedLaunch:
     target, device_name, programs = _target(device)
     config = configs.pick_config(
         "k_grouped", target, device_name=device_name, dtype=_dtype_name(dtype), G=G, N=N, K=K, M=M
@@ -70,7 +70,7 @@ def _k_launch(M, N, K, G, dtype, device, max_stride, a_k_contiguous, accumulate)
     return KGroupedLaunch.make(
         M, N, K, G, config=config, num_programs_cap=programs,
         fp32_inputs=dtype == torch.float32, accumulate=accumulate, interpret=target == "interpret",
-        max_stride=max_stride, a_k_contiguous=a_k_contiguous,
+        max_stride=max_stride, a_k_contiguous=a_k_contiguous, a_colsum=a_colsum,
     )  # fmt: skip
 
 
@@ -80,36 +80,47 @@ def clear_launch_cache() -> None:
     _k_launch.cache_clear()
 
 
-def launch_m_grouped(x, w, group_sizes, out) -> None:
+def launch_m_grouped(x, w, group_sizes, out, bias=None) -> None:
+    """out [M, N] = for g: x[rows(g)] @ w[g] (+ bias[g]); bias [G, N] in x's dtype or None."""
     M, K = x.shape
     G, _, N = w.shape
     if M == 0 or N == 0:
         return
     sx, sw, so = x.stride(), w.stride(), out.stride()
+    sb = (0, 0) if bias is None else bias.stride()
     launch = _m_launch(
-        M, N, K, G, x.dtype, x.device, max(map(abs, (*sx, sw[1], sw[2], *so))), sw[1] == 1 and sw[2] != 1
-    )
+        M, N, K, G, x.dtype, x.device, max(map(abs, (*sx, sw[1], sw[2], *so, sb[1]))),
+        sw[1] == 1 and sw[2] != 1, bias is not None,
+    )  # fmt: skip
     with _device_guard(x.device):
         m_grouped_mm_kernel[launch.grid](
-            x, w, group_sizes, out, M, N, K, G, sx[0], sx[1], sw[0], sw[1], sw[2], so[0], so[1], **launch.meta
+            x, w, group_sizes, x if bias is None else bias, out, M, N, K, G,
+            sx[0], sx[1], sw[0], sw[1], sw[2], so[0], so[1], sb[0], sb[1], **launch.meta,
         )  # fmt: skip
 
 
-def launch_k_grouped(a, b, group_sizes, out, accumulate: bool) -> None:
+def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) -> None:
+    """out [G, K, N] (+)= for g: a[rows(g)]^T @ b[rows(g)]; a_colsum [G, K] (or None) = sum(a[rows(g)], 0)."""
     M, K = a.shape
     N = b.shape[1]
     G = group_sizes.shape[0]
+    if a_colsum is not None and N == 0 and G > 0 and K > 0:
+        # No [K, N] tile exists to carry the sums: take them from a ones column instead (a [G, K, 1] temporary).
+        sums = empty(G, K, 1, dtype=a_colsum.dtype, device=a.device)
+        launch_k_grouped(a, a.new_ones(1).expand(M, 1), group_sizes, sums, accumulate=False)
+        a_colsum.copy_(sums.squeeze(2))
     if G == 0 or K == 0 or N == 0:
         return
     sa, sb, so = a.stride(), b.stride(), out.stride()
+    ss = (0, 0) if a_colsum is None else a_colsum.stride()
     launch = _k_launch(
-        M, N, K, G, a.dtype, a.device, max(map(abs, (*sa, *sb, so[1], so[2]))), sa[1] == 1 and sa[0] != 1,
-        accumulate,
+        M, N, K, G, a.dtype, a.device, max(map(abs, (*sa, *sb, so[1], so[2], ss[1]))), sa[1] == 1 and sa[0] != 1,
+        accumulate, a_colsum is not None,
     )  # fmt: skip
     with _device_guard(a.device):
         k_grouped_mm_kernel[launch.grid](
-            a, b, group_sizes, out, out, M, N, K, G, sa[0], sa[1], sb[0], sb[1], so[0], so[1], so[2],
-            **launch.meta,
+            a, b, group_sizes, out, out if a_colsum is None else a_colsum, out, M, N, K, G,
+            sa[0], sa[1], sb[0], sb[1], so[0], so[1], so[2], ss[0], ss[1], **launch.meta,
         )  # fmt: skip
 
 
@@ -121,25 +132,25 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool) -> None:
 # (measured on the CI CPU, torch 2.13), more than a small grouped GEMM takes on an H100.
 
 
-def _eager(*tensors: torch.Tensor) -> bool:
+def _eager(*tensors: torch.Tensor | None) -> bool:
     return (
         not torch.compiler.is_compiling()
         and torch._C._len_torch_dispatch_stack() == 0
-        and all(type(t) is torch.Tensor for t in tensors)
+        and all(t is None or type(t) is torch.Tensor for t in tensors)
     )
 
 
-def _needs_grad(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def m_grouped(x, w, group_sizes, backend: str) -> torch.Tensor:
-    """out [M, N] = for g: x[rows(g)] @ w[g] (differentiable in x and w)."""
-    if not _eager(x, w, group_sizes):
-        return m_grouped_mm_op(x, w, group_sizes, backend)
-    if _needs_grad(x, w):
-        return _MGroupedFunction.apply(x, w, group_sizes, backend)
-    return _m_grouped_impl(x, w, group_sizes, backend)
+def m_grouped(x, w, group_sizes, backend: str, bias=None) -> torch.Tensor:
+    """out [M, N] = for g: x[rows(g)] @ w[g] (+ bias[g]) (differentiable in x, w and bias)."""
+    if not _eager(x, w, group_sizes, bias):
+        return m_grouped_mm_op(x, w, group_sizes, bias, backend)
+    if _needs_grad(x, w, bias):
+        return _MGroupedFunction.apply(x, w, group_sizes, bias, backend)
+    return _m_grouped_impl(x, w, group_sizes, bias, backend)
 
 
 def k_grouped(a, b, group_sizes, out_dtype: torch.dtype, backend: str) -> torch.Tensor:
@@ -158,11 +169,35 @@ def k_grouped_out(a, b, group_sizes, out, accumulate: bool, backend: str) -> Non
     return _k_grouped_out_impl(a, b, group_sizes, out, accumulate, backend)
 
 
-def _m_grouped_impl(x, w, group_sizes, backend):
+def k_grouped_colsum(a, b, group_sizes, out_dtype, colsum_dtype, backend: str):
+    """(out [G, K, N], colsum [G, K]): out[g] = a_g^T b_g and colsum[g] = sum(a_g, 0), one launch.
+
+    The wgrad+bgrad of a linear layer with a = dy. Backward-only: not differentiable.
+    """
+    if not _eager(a, b, group_sizes):
+        return k_grouped_mm_colsum_op(a, b, group_sizes, out_dtype, colsum_dtype, backend)
+    return _k_grouped_colsum_impl(a, b, group_sizes, out_dtype, colsum_dtype, backend)
+
+
+def k_grouped_out_colsum(a, b, group_sizes, out, accumulate: bool, colsum_dtype, backend: str) -> torch.Tensor:
+    """out[g] (+)= a_g^T b_g in place and returns colsum [G, K] = sum(a_g, 0), one launch (not differentiable)."""
+    if not _eager(a, b, group_sizes, out):
+        return k_grouped_mm_out_colsum_op(a, b, group_sizes, out, accumulate, colsum_dtype, backend)
+    return _k_grouped_out_colsum_impl(a, b, group_sizes, out, accumulate, colsum_dtype, backend)
+
+
+def grouped_column_sums(t, group_sizes, out_dtype, backend: str) -> torch.Tensor:
+    """[G, N]: for g: sum(t[rows(g)], 0), alone (a bias gradient without the weight's): one k-grouped
+    launch over a stride-0 ones column, so no [M] buffer of ones is allocated."""
+    ones = t.new_ones(1).expand(t.shape[0], 1)
+    return k_grouped(ones, t, group_sizes, out_dtype, backend).squeeze(1)
+
+
+def _m_grouped_impl(x, w, group_sizes, bias, backend):
     if backend == "reference":
-        return reference.m_grouped_mm_reference(x, w, group_sizes)
+        return reference.m_grouped_mm_reference(x, w, group_sizes, bias)
     out = empty(x.shape[0], w.shape[2], dtype=x.dtype, device=x.device)
-    launch_m_grouped(x, w, group_sizes, out)
+    launch_m_grouped(x, w, group_sizes, out, bias)
     return out
 
 
@@ -181,20 +216,52 @@ def _k_grouped_out_impl(a, b, group_sizes, out, accumulate, backend):
         launch_k_grouped(a, b, group_sizes, out, accumulate=accumulate)
 
 
-def _m_grouped_grads(ctx, grad_out, mm, kmm):
-    """dx = dy @ w[g]^T (m-grouped), dw[g] = x_g^T dy_g (k-grouped); mm/kmm are the ops to use."""
+def _k_grouped_colsum_impl(a, b, group_sizes, out_dtype, colsum_dtype, backend):
+    if backend == "reference":
+        return (
+            reference.k_grouped_mm_reference(a, b, group_sizes, out_dtype=out_dtype),
+            reference.grouped_column_sums(a, group_sizes, out_dtype=colsum_dtype),
+        )
+    out = empty(group_sizes.shape[0], a.shape[1], b.shape[1], dtype=out_dtype, device=a.device)
+    colsum = empty(group_sizes.shape[0], a.shape[1], dtype=colsum_dtype, device=a.device)
+    launch_k_grouped(a, b, group_sizes, out, accumulate=False, a_colsum=colsum)
+    return out, colsum
+
+
+def _k_grouped_out_colsum_impl(a, b, group_sizes, out, accumulate, colsum_dtype, backend):
+    if backend == "reference":
+        reference.k_grouped_mm_reference(a, b, group_sizes, out=out, accumulate=accumulate)
+        return reference.grouped_column_sums(a, group_sizes, out_dtype=colsum_dtype)
+    colsum = empty(group_sizes.shape[0], a.shape[1], dtype=colsum_dtype, device=a.device)
+    launch_k_grouped(a, b, group_sizes, out, accumulate=accumulate, a_colsum=colsum)
+    return colsum
+
+
+def _m_grouped_grads(ctx, grad_out, mm, kmm, kmm_colsum):
+    """dx = dy @ w[g]^T (m-grouped), dw[g] = x_g^T dy_g (k-grouped), dbias[g] = sum(dy_g, 0);
+    mm/kmm/kmm_colsum are the eager functions or the custom ops, whichever the forward used."""
     x, w, group_sizes = ctx.saved_tensors
-    grad_x = grad_w = None
-    if ctx.needs_input_grad[0]:
-        grad_x = mm(grad_out, w.mT, group_sizes, ctx.backend)
-    if ctx.needs_input_grad[1]:
-        if w.stride(1) == 1 and w.stride(2) != 1:
-            # w is an nn.Linear-layout weight [G, N, K] seen as [G, K, N]: produce the gradient in
-            # that storage layout (dy^T x), so no transposed copy is made when it reaches the weight.
-            grad_w = kmm(grad_out, x, group_sizes, w.dtype, ctx.backend).mT
-        else:
-            grad_w = kmm(x, grad_out, group_sizes, w.dtype, ctx.backend)
-    return grad_x, grad_w, None, None
+    need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
+    grad_x = grad_w = grad_b = None
+    if need_x:
+        grad_x = mm(grad_out, w.mT, group_sizes, ctx.backend, None)
+    # w is an nn.Linear-layout weight [G, N, K] seen as [G, K, N]: produce its gradient in that storage
+    # layout (dy^T x), so no transposed copy is made when it reaches the weight. dy is then the
+    # k-grouped `a` operand, whose column sums (the bias gradient) the same launch can produce.
+    linear_layout = w.stride(1) == 1 and w.stride(2) != 1
+    if need_w and need_b and linear_layout:
+        grad_wt, grad_b = kmm_colsum(grad_out, x, group_sizes, w.dtype, ctx.bias_dtype, ctx.backend)
+        grad_w = grad_wt.mT
+    else:
+        if need_w:
+            if linear_layout:
+                grad_w = kmm(grad_out, x, group_sizes, w.dtype, ctx.backend).mT
+            else:
+                grad_w = kmm(x, grad_out, group_sizes, w.dtype, ctx.backend)
+        if need_b:
+            ones = grad_out.new_ones(1).expand(grad_out.shape[0], 1)
+            grad_b = kmm(ones, grad_out, group_sizes, ctx.bias_dtype, ctx.backend).squeeze(1)
+    return grad_x, grad_w, None, grad_b, None
 
 
 def _k_grouped_grads(ctx, grad_out, mm):
@@ -202,22 +269,23 @@ def _k_grouped_grads(ctx, grad_out, mm):
     grad_a = grad_b = None
     # out[g] = a_g^T b_g  =>  da_g = b_g dout[g]^T,  db_g = a_g dout[g]
     if ctx.needs_input_grad[0]:
-        grad_a = mm(b, grad_out.to(b.dtype).mT, group_sizes, ctx.backend)
+        grad_a = mm(b, grad_out.to(b.dtype).mT, group_sizes, ctx.backend, None)
     if ctx.needs_input_grad[1]:
-        grad_b = mm(a, grad_out.to(a.dtype), group_sizes, ctx.backend)
+        grad_b = mm(a, grad_out.to(a.dtype), group_sizes, ctx.backend, None)
     return grad_a, grad_b, None, None, None
 
 
 class _MGroupedFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, group_sizes, backend):
+    def forward(ctx, x, w, group_sizes, bias, backend):
         ctx.save_for_backward(x, w, group_sizes)
         ctx.backend = backend
-        return _m_grouped_impl(x, w, group_sizes, backend)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return _m_grouped_impl(x, w, group_sizes, bias, backend)
 
     @staticmethod
     def backward(ctx, grad_out):
-        return _m_grouped_grads(ctx, grad_out, m_grouped, k_grouped)
+        return _m_grouped_grads(ctx, grad_out, m_grouped, k_grouped, k_grouped_colsum)
 
 
 class _KGroupedFunction(torch.autograd.Function):
@@ -236,22 +304,31 @@ class _KGroupedFunction(torch.autograd.Function):
 
 
 @torch.library.custom_op("moegemm::m_grouped_mm", mutates_args=())
-def m_grouped_mm_op(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, backend: str) -> torch.Tensor:
-    return _m_grouped_impl(x, w, group_sizes, backend)
+def m_grouped_mm_op(
+    x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, bias: torch.Tensor | None, backend: str
+) -> torch.Tensor:
+    return _m_grouped_impl(x, w, group_sizes, bias, backend)
 
 
 @m_grouped_mm_op.register_fake
-def _(x, w, group_sizes, backend):
+def _(x, w, group_sizes, bias, backend):
     return x.new_empty(x.shape[0], w.shape[2])
 
 
-def _setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:3])
-    ctx.backend = inputs[-1]
+def _setup_m(ctx, inputs, output):
+    x, w, group_sizes, bias, backend = inputs
+    ctx.save_for_backward(x, w, group_sizes)
+    ctx.backend = backend
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _op_mm(x, w, group_sizes, backend, bias):
+    return m_grouped_mm_op(x, w, group_sizes, bias, backend)
 
 
 m_grouped_mm_op.register_autograd(
-    lambda ctx, grad_out: _m_grouped_grads(ctx, grad_out, m_grouped_mm_op, k_grouped_mm_op), setup_context=_setup
+    lambda ctx, grad_out: _m_grouped_grads(ctx, grad_out, _op_mm, k_grouped_mm_op, k_grouped_mm_colsum_op),
+    setup_context=_setup_m,
 )
 
 
@@ -267,8 +344,13 @@ def _(a, b, group_sizes, out_dtype, backend):
     return a.new_empty(group_sizes.shape[0], a.shape[1], b.shape[1], dtype=out_dtype)
 
 
+def _setup_k(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:3])
+    ctx.backend = inputs[-1]
+
+
 k_grouped_mm_op.register_autograd(
-    lambda ctx, grad_out: _k_grouped_grads(ctx, grad_out, m_grouped_mm_op), setup_context=_setup
+    lambda ctx, grad_out: _k_grouped_grads(ctx, grad_out, _op_mm), setup_context=_setup_k
 )
 
 
@@ -283,3 +365,30 @@ def k_grouped_mm_out_op(
 @k_grouped_mm_out_op.register_fake
 def _(a, b, group_sizes, out, accumulate, backend):
     return None
+
+
+@torch.library.custom_op("moegemm::k_grouped_mm_colsum", mutates_args=())
+def k_grouped_mm_colsum_op(
+    a: torch.Tensor, b: torch.Tensor, group_sizes: torch.Tensor, out_dtype: torch.dtype,
+    colsum_dtype: torch.dtype, backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    return _k_grouped_colsum_impl(a, b, group_sizes, out_dtype, colsum_dtype, backend)
+
+
+@k_grouped_mm_colsum_op.register_fake
+def _(a, b, group_sizes, out_dtype, colsum_dtype, backend):
+    G = group_sizes.shape[0]
+    return a.new_empty(G, a.shape[1], b.shape[1], dtype=out_dtype), a.new_empty(G, a.shape[1], dtype=colsum_dtype)
+
+
+@torch.library.custom_op("moegemm::k_grouped_mm_out_colsum", mutates_args=("out",))
+def k_grouped_mm_out_colsum_op(
+    a: torch.Tensor, b: torch.Tensor, group_sizes: torch.Tensor, out: torch.Tensor, accumulate: bool,
+    colsum_dtype: torch.dtype, backend: str,
+) -> torch.Tensor:  # fmt: skip
+    return _k_grouped_out_colsum_impl(a, b, group_sizes, out, accumulate, colsum_dtype, backend)
+
+
+@k_grouped_mm_out_colsum_op.register_fake
+def _(a, b, group_sizes, out, accumulate, colsum_dtype, backend):
+    return a.new_empty(group_sizes.shape[0], a.shape[1], dtype=colsum_dtype)

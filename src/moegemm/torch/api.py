@@ -88,15 +88,16 @@ def check_group_sizes_values(group_sizes: torch.Tensor, M: int) -> None:
 
 
 def m_grouped_mm(
-    x: torch.Tensor, w: torch.Tensor, group_sizes: GroupSizes, *,
+    x: torch.Tensor, w: torch.Tensor, group_sizes: GroupSizes, *, bias: torch.Tensor | None = None,
     check: bool | None = None, backend: Backend = "auto",
 ) -> torch.Tensor:  # fmt: skip
-    """m-grouped GEMM (forward and dgrad): ``for g: out[rows(g)] = x[rows(g)] @ w[g]``.
+    """m-grouped GEMM (forward and dgrad): ``for g: out[rows(g)] = x[rows(g)] @ w[g] (+ bias[g])``.
 
     x [M, K] and w [G, K, N] in bf16/fp16/fp32 (one dtype), any strides: an nn.Linear-layout weight
     [G, N, K] is passed as ``w.mT``. group_sizes [G] int32/int64 (device tensor, CPU tensor or list);
-    rows(g) = [offset_g, offset_g + size_g), offset = exclusive prefix sum. Returns out [M, N] in x's
-    dtype, fp32 accumulation; rows at or past sum(group_sizes) are 0. Differentiable in x and w.
+    rows(g) = [offset_g, offset_g + size_g), offset = exclusive prefix sum. bias [G, N] in x's dtype,
+    added to the fp32 accumulator before the one rounding. Returns out [M, N] in x's dtype, fp32
+    accumulation; rows at or past sum(group_sizes) are 0 (no bias). Differentiable in x, w and bias.
     ``check=True`` (or MOEGEMM_CHECK=1) syncs to validate sizes >= 0 and sum <= M; without it, bad
     device-side sizes are clamped (negative -> 0, offsets -> M), never read or written out of bounds.
     """
@@ -108,10 +109,16 @@ def m_grouped_mm(
             f"m_grouped_mm expects x [M, K] and w [G, K, N] with matching K; got x {tuple(x.shape)}, "
             f"w {tuple(w.shape)} (pass an nn.Linear-layout weight [G, N, K] as w.mT)"
         )
+    if bias is not None:
+        _check_same("x, w and bias", x, w, bias)
+        if tuple(bias.shape) != (w.shape[0], w.shape[2]):
+            raise ValueError(
+                f"bias must be [G, N] = {(w.shape[0], w.shape[2])} for w {tuple(w.shape)}, got {tuple(bias.shape)}"
+            )
     group_sizes = as_group_sizes(group_sizes, w.shape[0], x.device)
     if checks_enabled(check):
         check_group_sizes_values(group_sizes, x.shape[0])
-    return _ops.m_grouped(x, w, group_sizes, resolve_backend(backend, x.device))
+    return _ops.m_grouped(x, w, group_sizes, resolve_backend(backend, x.device), bias)
 
 
 def k_grouped_mm(

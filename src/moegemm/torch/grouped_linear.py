@@ -2,14 +2,15 @@
 
 Semantics, with rows(g) = [offset_g, offset_g + size_g) and offset = exclusive prefix sum of sizes::
 
-    for g: y[rows(g)] = x[rows(g)] @ weight[g].T + bias[g]      # rows past sum(sizes): y = 0
-    (the bias is added in place as y += onehot[M, G] @ bias, the one-hot marking each row's group)
+    for g: y[rows(g)] = x[rows(g)] @ weight[g].T + bias[g]      # m_grouped_mm, bias in its epilogue
+    rows past sum(sizes): y = 0
     dx[rows(g)] = dy[rows(g)] @ weight[g]                        # m_grouped_mm, weight as stored
-    dweight[g] = dy[rows(g)].T @ x[rows(g)]                      # k_grouped_mm, [G, N, K] storage
-    dbias[g]   = ones[rows(g)].T @ dy[rows(g)]                   # k_grouped_mm with a stride-0 ones
+    dweight[g] = dy[rows(g)].T @ x[rows(g)]                      # k_grouped_mm, [G, N, K] storage,
+    dbias[g]   = sum(dy[rows(g)], 0)                             #   and its column sums of dy
 
-Every step is a moegemm kernel reading group_sizes on the device, so forward and backward never
-sync the host when group_sizes is a CUDA tensor (CUDA-graph capturable).
+Forward is one launch and backward two (dgrad; wgrad with dbias). Every launch reads group_sizes on
+the device, so forward and backward never sync the host when group_sizes is a CUDA tensor
+(CUDA-graph capturable).
 
 torch.compile(fullgraph=True) traces the module (the autograd.Function calls only custom ops), also
 with fuse_wgrad_accumulation. delay_wgrad_compute hands (x, dy) from the backward to backward_dw()
@@ -39,52 +40,18 @@ __all__ = ["GroupedLinear"]
 
 
 @torch.library.custom_op("moegemm::grouped_linear_mm_into", mutates_args=("out",))
-def _m_grouped_mm_into(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, out: torch.Tensor,
-                       backend: str) -> None:  # fmt: skip
-    """m_grouped_mm written into a caller's [M, N] buffer (GroupedLinear's ``out=``)."""
+def _m_grouped_mm_into(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, bias: torch.Tensor | None,
+                       out: torch.Tensor, backend: str) -> None:  # fmt: skip
+    """m_grouped_mm (+ bias) written into a caller's [M, N] buffer (GroupedLinear's ``out=``)."""
     if backend == "reference":
-        out.copy_(reference.m_grouped_mm_reference(x, w, group_sizes))
+        out.copy_(reference.m_grouped_mm_reference(x, w, group_sizes, bias))
         return
-    _ops.launch_m_grouped(x, w, group_sizes, out)
+    _ops.launch_m_grouped(x, w, group_sizes, out, bias)
 
 
 @_m_grouped_mm_into.register_fake
-def _(x, w, group_sizes, out, backend):
+def _(x, w, group_sizes, bias, out, backend):
     return None
-
-
-def _ones_column(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """A [rows, 1] column of ones in t's dtype, stride 0 over rows: no [rows] buffer is allocated."""
-    return t.new_ones(1).expand(rows, 1)
-
-
-@torch.compiler.assume_constant_result  # read at trace time under torch.compile
-def _tf32_matmuls_allowed() -> bool:
-    return torch.get_float32_matmul_precision() != "highest"
-
-
-def _add_bias_rows(y: torch.Tensor, bias: torch.Tensor, group_sizes: torch.Tensor) -> None:
-    """y[rows(g)] += bias[g] for owned rows only (tail rows stay 0), in place: y += onehot(group of row) @ bias.
-
-    The [M, G] one-hot stands in for an [M, N] bias temporary, and addmm rounds y + bias once.
-    Sizes are clamped at 0 as in the kernels; row r belongs to the first g with r < end_g (G: the tail).
-    """
-    ends = group_sizes.clamp(min=0).cumsum(0)
-    rows = torch.arange(y.shape[0], device=y.device, dtype=ends.dtype)
-    group_of_row = torch.searchsorted(ends, rows, right=True)
-    if y.dtype == torch.float32 and _tf32_matmuls_allowed():
-        # TF32 would round the bias (a GEMM operand here) to 10 mantissa bits: gather it exactly instead,
-        # at the cost of an [M, N] temporary. Row group G (the tail) picks the appended zero row.
-        y.add_(torch.cat([bias, bias.new_zeros(1, bias.shape[1])])[group_of_row])
-        return
-    onehot = group_of_row.unsqueeze(1) == torch.arange(bias.shape[0], device=y.device, dtype=ends.dtype)
-    y.addmm_(onehot.to(y.dtype), bias)
-
-
-def _bias_grad(dy: torch.Tensor, group_sizes: torch.Tensor, dtype: torch.dtype, backend: str) -> torch.Tensor:
-    """dbias [G, N]: for g: dbias[g] = sum(dy[rows(g)], 0); an empty group gives exact zeros."""
-    ones = _ones_column(dy, dy.shape[0])
-    return _ops.k_grouped(ones, dy, group_sizes, dtype, backend).squeeze(1)
 
 
 # Megatron/TE convention for fused wgrad accumulation: when the weight has ``grad_added_to_main_grad``,
@@ -115,13 +82,11 @@ class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group_sizes, main_grad, dummy_wgrad, out, backend, fuse, delay, state):
         if out is None:
-            y = _ops.m_grouped(x, weight.mT, group_sizes, backend)
+            y = _ops.m_grouped(x, weight.mT, group_sizes, backend, bias)
         else:
-            _m_grouped_mm_into(x, weight.mT, group_sizes, out, backend)
+            _m_grouped_mm_into(x, weight.mT, group_sizes, bias, out, backend)
             ctx.mark_dirty(out)
             y = out
-        if bias is not None:
-            _add_bias_rows(y, bias, group_sizes)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         # Save only what the requested gradients read: x for wgrad, the weight for dgrad.
         ctx.save_for_backward(x if need_w else None, weight if need_x else None, group_sizes)
@@ -148,22 +113,26 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 )
             state.pending = (x, dy, group_sizes, main_grad, need_w, need_b)
             return dx, *[None] * 10
-        if need_w:
-            dw = _weight_grad(x, dy, group_sizes, main_grad, backend, fuse, w_dtype)
-            if fuse and ctx.dummy_wgrad is not None:
-                # A fresh alias of the cached dummy, so AccumulateGrad takes it instead of cloning it.
-                dw = ctx.dummy_wgrad.detach()
-        if need_b:
-            db = _bias_grad(dy, group_sizes, w_dtype, backend)
+        dw, db = _weight_and_bias_grads(x, dy, group_sizes, main_grad, backend, fuse, w_dtype, need_w, need_b)
+        if need_w and fuse and ctx.dummy_wgrad is not None:
+            # A fresh alias of the cached dummy, so AccumulateGrad takes it instead of cloning it.
+            dw = ctx.dummy_wgrad.detach()
         return dx, dw, db, *[None] * 8
 
 
-def _weight_grad(x, dy, group_sizes, main_grad, backend, fuse, dtype) -> torch.Tensor | None:
-    """dW[g] = dy[rows(g)]^T @ x[rows(g)] in the weight's [G, N, K] storage layout, or main_grad += dW."""
-    if not fuse:
-        return _ops.k_grouped(dy, x, group_sizes, dtype, backend)
-    _ops.k_grouped_out(dy, x, group_sizes, main_grad, True, backend)
-    return None
+def _weight_and_bias_grads(x, dy, group_sizes, main_grad, backend, fuse, dtype, need_w, need_b):
+    """(dW, dbias): dW[g] = dy[rows(g)]^T @ x[rows(g)] in the weight's [G, N, K] storage layout (None when
+    fused: main_grad += dW instead), dbias[g] = sum(dy[rows(g)], 0) from the same launch; each only if asked."""
+    if not need_w:
+        return None, _ops.grouped_column_sums(dy, group_sizes, dtype, backend) if need_b else None
+    if fuse and need_b:
+        return None, _ops.k_grouped_out_colsum(dy, x, group_sizes, main_grad, True, dtype, backend)
+    if fuse:
+        _ops.k_grouped_out(dy, x, group_sizes, main_grad, True, backend)
+        return None, None
+    if need_b:
+        return _ops.k_grouped_colsum(dy, x, group_sizes, dtype, dtype, backend)
+    return _ops.k_grouped(dy, x, group_sizes, dtype, backend), None
 
 
 class GroupedLinear(nn.Module):
@@ -335,15 +304,16 @@ class GroupedLinear(nn.Module):
         x, dy, group_sizes, main_grad, need_w, need_b = self._state.pending
         self._state.pending = None
         backend = resolve_backend(self.backend, dy.device)
-        if need_w:
-            dw = _weight_grad(x, dy, group_sizes, main_grad, backend, self.fuse_wgrad_accumulation,
-                              self.weight.dtype)  # fmt: skip
-            if not self.fuse_wgrad_accumulation:
-                _accumulate_grad(self.weight, dw)
-            elif hasattr(self.weight, "grad_added_to_main_grad"):
-                self.weight.grad_added_to_main_grad = True
+        fuse = self.fuse_wgrad_accumulation
+        dw, db = _weight_and_bias_grads(
+            x, dy, group_sizes, main_grad, backend, fuse, self.weight.dtype, need_w, need_b
+        )
+        if need_w and not fuse:
+            _accumulate_grad(self.weight, dw)
+        elif need_w and hasattr(self.weight, "grad_added_to_main_grad"):
+            self.weight.grad_added_to_main_grad = True
         if need_b:
-            _accumulate_grad(self.bias, _bias_grad(dy, group_sizes, self.bias.dtype, backend))
+            _accumulate_grad(self.bias, db)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:  # fmt: skip

@@ -23,16 +23,31 @@ def _exact_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def m_grouped_mm_reference(
-    x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, *,
+    x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, bias: torch.Tensor | None = None, *,
     out_dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """x [M, K], w [G, K, N] -> out [M, N]; for g: out[rows(g)] = x[rows(g)] @ w[g]; unowned rows 0."""
+    """x [M, K], w [G, K, N], bias [G, N] or None -> out [M, N];
+    for g: out[rows(g)] = x[rows(g)] @ w[g] (+ bias[g]); unowned rows 0 (no bias)."""
     compute_dtype = compute_dtype or _exact_dtype(x.dtype)
     out = torch.zeros(x.shape[0], w.shape[-1], dtype=compute_dtype, device=x.device)
     for g, (start, end) in enumerate(group_bounds(group_sizes, x.shape[0])):
         if end > start:
             out[start:end] = x[start:end].to(compute_dtype) @ w[g].to(compute_dtype)
+            if bias is not None:
+                out[start:end] += bias[g].to(compute_dtype)
     return out.to(out_dtype or x.dtype)
+
+
+def grouped_column_sums(
+    a: torch.Tensor, group_sizes: torch.Tensor, *, out_dtype: torch.dtype = torch.float32,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """a [M, K] -> [G, K]; for g: out[g] = sum(a[rows(g)], 0) (the bias gradient when a is dy)."""
+    compute_dtype = compute_dtype or _exact_dtype(a.dtype)
+    out = torch.zeros(group_sizes.shape[0], a.shape[1], dtype=compute_dtype, device=a.device)
+    for g, (start, end) in enumerate(group_bounds(group_sizes, a.shape[0])):
+        out[g] = a[start:end].to(compute_dtype).sum(0)
+    return out.to(out_dtype)
 
 
 def k_grouped_mm_reference(
