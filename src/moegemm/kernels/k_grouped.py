@@ -3,8 +3,7 @@
 Shapes: a [M, K], b [M, N] (any strides), group_sizes [G] on the device, out [G, K, N] fp32 or
 bf16/fp16. A group with no rows writes exact zeros, or leaves out[g] untouched when accumulating.
 Optionally also ``a_colsum[g] = sum(a[rows(g)], 0)`` [G, K]: with a = dy that is the bias gradient,
-summed by the tiles of the first column block from the a tiles they load anyway (no extra launch
-and no second read of dy).
+from G x cdiv(K, BLOCK_K) extra memory-bound tiles of the same persistent launch (no second launch).
 
 Persistent kernel over the static tile space G x cdiv(K, BLOCK_K) x cdiv(N, BLOCK_N), group-major
 so that the programs running together share one group's rows of a and b in L2. The reduction runs
@@ -70,21 +69,13 @@ def k_grouped_mm_kernel(
             a_offs = offs_k[:, None] * stride_ak + offs_r[None, :] * stride_am
         b_offs = offs_r[:, None] * stride_bm + offs_n[None, :] * stride_bn
         acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-        colsum = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for r in range(row_start, row_end, BLOCK_R):
             r_mask = offs_r < row_end - r
             step = r - row_start
             if A_K_CONTIGUOUS:
-                a = tl.load(a_base + step * stride_am + a_offs, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-                if A_COLSUM:  # summed as loaded (row-major), before the transpose for the dot
-                    if n_tile == 0:  # the tiles of the first column block cover every k of every group
-                        colsum += tl.sum(a.to(tl.float32), 0)
-                a = tl.trans(a)
+                a = tl.trans(tl.load(a_base + step * stride_am + a_offs, mask=r_mask[:, None] & k_mask[None, :], other=0.0))
             else:
                 a = tl.load(a_base + step * stride_am + a_offs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
-                if A_COLSUM:
-                    if n_tile == 0:
-                        colsum += tl.sum(a.to(tl.float32), 1)
             b = tl.load(b_base + step * stride_bm + b_offs, mask=r_mask[:, None] & col_mask[None, :], other=0.0)
             if UPCAST:
                 a = a.to(tl.float32)
@@ -101,11 +92,28 @@ def k_grouped_mm_kernel(
             # c shares out's strides; it is out itself in PyTorch and a separate input in JAX.
             acc += tl.load(c_ptr + out_offs, mask=out_mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-        if A_COLSUM:
-            if n_tile == 0:  # an empty group stores exact zeros
-                colsum_base = a_colsum_ptr + g.to(tl.int64) * stride_sg + (k_tile * BLOCK_K).to(tl.int64) * stride_sk
-                colsum_ptrs = colsum_base + offs_k * stride_sk
-                tl.store(colsum_ptrs, colsum.to(a_colsum_ptr.dtype.element_ty), mask=k_mask)
+
+    if A_COLSUM:
+        # Column sums of a (the bias gradient when a = dy): G x k_tiles memory-bound tiles after the GEMM
+        # tiles, kept out of the MMA loop (summing there slowed wgrad by ~20% on an H100, and Triton 3.6
+        # miscompiled the bf16 dot whose operand was also reduced). An empty group stores exact zeros.
+        sum_offs = offs_r[:, None] * stride_am + offs_k[None, :] * stride_ak
+        # The round-robin continues past the GEMM tiles, so programs that got one GEMM tile fewer go first.
+        first = (pid + NUM_PROGRAMS - (G * tiles_per_group) % NUM_PROGRAMS) % NUM_PROGRAMS
+        for tile in range(first, G * k_tiles, NUM_PROGRAMS):
+            g = tile // k_tiles
+            k_tile = tile % k_tiles
+            row_start = pick(starts, offs, g)
+            row_end = pick(ends, offs, g)
+            k_mask = offs_k < K - k_tile * BLOCK_K
+            a_base = a_ptr + row_start * stride_am + (k_tile * BLOCK_K).to(tl.int64) * stride_ak
+            partial = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)  # reduced across rows once, at the end
+            for r in range(row_start, row_end, BLOCK_R):
+                r_mask = offs_r < row_end - r
+                a = tl.load(a_base + (r - row_start) * stride_am + sum_offs, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+                partial += a.to(tl.float32)
+            colsum_base = a_colsum_ptr + g.to(tl.int64) * stride_sg + (k_tile * BLOCK_K).to(tl.int64) * stride_sk
+            tl.store(colsum_base + offs_k * stride_sk, tl.sum(partial, 0).to(a_colsum_ptr.dtype.element_ty), mask=k_mask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +132,8 @@ class KGroupedLaunch:
         a_colsum: also write the per-group column sums of a (the bias gradient when a is dy).
         """
         max_stride = max(K, N) if max_stride is None else max_stride
-        tiles = G * triton.cdiv(K, config.block_k) * triton.cdiv(N, config.block_n)
+        k_tiles = triton.cdiv(K, config.block_k)
+        tiles = G * k_tiles * (triton.cdiv(N, config.block_n) + (1 if a_colsum else 0))
         # num_programs_cap is one wave at one program per SM; a config may ask for several per SM.
         num_programs = max(1, min(tiles, num_programs_cap * config.ctas_per_sm))
         meta = dict(

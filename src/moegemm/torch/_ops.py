@@ -104,12 +104,7 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) ->
     M, K = a.shape
     N = b.shape[1]
     G = group_sizes.shape[0]
-    if a_colsum is not None and N == 0 and G > 0 and K > 0:
-        # No [K, N] tile exists to carry the sums: take them from a ones column instead (a [G, K, 1] temporary).
-        sums = empty(G, K, 1, dtype=a_colsum.dtype, device=a.device)
-        launch_k_grouped(a, a.new_ones(1).expand(M, 1), group_sizes, sums, accumulate=False)
-        a_colsum.copy_(sums.squeeze(2))
-    if G == 0 or K == 0 or N == 0:
+    if G == 0 or K == 0 or (N == 0 and a_colsum is None):
         return
     sa, sb, so = a.stride(), b.stride(), out.stride()
     ss = (0, 0) if a_colsum is None else a_colsum.stride()
