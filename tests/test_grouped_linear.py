@@ -136,7 +136,7 @@ class GroupedLinearTest:
         self.check_grads(module, x, sizes, dy, y, torch.float32, f"{self.BACKEND} tail {sizes}")
 
     def test_fp32_bias_with_tf32_allowed(self):
-        # With TF32 matmuls allowed the bias is gathered, not multiplied by the row one-hot.
+        # TF32 matmuls allowed: the bias is still added in fp32 in the epilogue, never rounded to TF32.
         previous = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision("high")
         try:
@@ -250,6 +250,25 @@ class GroupedLinearTest:
         assert [module.weight[g].unique().tolist() for g in range(G)] == [[1.0], [2.0], [3.0], [4.0]]
         assert torch.equal(module.bias, torch.zeros(G, N, device=DEVICE)), "TE zeroes the bias"
         assert "num_groups=4, in_features=24, out_features=20, bias=True" in repr(module)
+
+    @pytest.mark.parametrize("fuse", [False, True])
+    def test_eager_calls_skip_custom_op_dispatch(self, fuse, monkeypatch):
+        """Eager fwd+bwd launches directly (parameters included): the torch.library ops are for tracing,
+        and their Python dispatch cost more than the kernels at small shapes (issue 4's overhead)."""
+        from moegemm.torch import _ops
+
+        def traced_only(*args, **kwargs):
+            raise AssertionError("an eager GroupedLinear call went through a torch.library custom op")
+
+        for name in ("m_grouped_mm_op", "k_grouped_mm_op", "k_grouped_mm_out_op", "k_grouped_mm_colsum_op",
+                     "k_grouped_mm_out_colsum_op"):  # fmt: skip
+            monkeypatch.setattr(_ops, name, traced_only)
+        module = self.make(fuse_wgrad_accumulation=fuse)
+        if fuse:
+            module.weight.main_grad = torch.zeros(G, N, K, device=DEVICE)
+        x, dy = make_inputs(torch.float32)
+        module(x, SIZES).backward(dy)
+        assert x.grad is not None and module.bias.grad is not None
 
     def test_compile_fullgraph_moe_block(self):
         torch.manual_seed(0)
