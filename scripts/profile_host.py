@@ -70,15 +70,16 @@ def main() -> None:
         "GroupedLinear fwd+bwd": lambda: lin(x, gs).backward(dy),
         "GroupedLinear no-bias fwd+bwd": lambda: lin_nobias(x, gs).backward(dy),
     }
+    # Rounds in turns, median of the round medians: the host's speed drifts between (and within) runs.
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(5):
+        for name, fn in calls.items():
+            samples[name].append(us_per_call(fn, calls=100, reset=clear))
     rows = []
-    for name, fn in calls.items():
-        try:
-            us = us_per_call(fn, reset=clear)
-            rows.append({"case": name, "us_per_call": us})
-            print(f"{name:45s} {us:7.1f} us/call (host)")
-        except Exception as e:  # noqa: BLE001 - report and go on (e.g. _grouped_mm without a backward)
-            rows.append({"case": name, "error": repr(e)[:200]})
-            print(f"{name:45s} failed: {e!r}"[:200])
+    for name, values in samples.items():
+        us = statistics.median(values)
+        rows.append({"case": name, "us_per_call": us, "round_medians": values})
+        print(f"{name:45s} {us:7.1f} us/call (host)  rounds {min(values):.0f}-{max(values):.0f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)

@@ -5,9 +5,9 @@ dispatch and launch path costs the host. Two groups of rows, each the median ove
 
 - one op: moegemm and torch._grouped_mm, forward and wgrad;
 - one layer forward+backward (``.backward()`` included): GroupedLinear with bias and device-side sizes,
-  the same as a loop of nn.Linear per expert, torch._grouped_mm with autograd (no bias), and a floor:
-  a one-op autograd round trip (``(x * s).sum().backward()``), what this host charges for any
-  forward+backward at all.
+  eager and as a CUDA-graph replay, the same as a loop of nn.Linear per expert, torch._grouped_mm with
+  autograd (no bias), and a floor: a one-op autograd round trip (``(x * s).sum().backward()``), what
+  this host charges for any forward+backward at all.
 
 Under the interpreter it measures the interpreter.
 """
@@ -27,6 +27,7 @@ from moegemm.bench.registry import REGISTRY
 
 CASE = shapes.Case("overhead-e8", G=8, M=128, K=64, N=64)
 IMPLS = ("moegemm", "torch._grouped_mm")
+ROUNDS = 5
 
 
 def _median_us(fn: Callable[[], object], calls: int, reset: Callable[[], None] = lambda: None) -> float:
@@ -69,7 +70,30 @@ def _layer_calls(device: torch.device, dtype: torch.dtype) -> tuple[dict[str, Ca
         calls["torch._grouped_mm (no bias)"] = lambda: torch._grouped_mm(
             x, w.mT, offs=gs.cumsum(0, dtype=torch.int32)
         ).backward(dy)
+        calls["GroupedLinear, CUDA-graph replay"] = _captured_layer_step(G, K, N, dtype, device, gs, dy)
     return calls, reset
+
+
+def _captured_layer_step(G, K, N, dtype, device, group_sizes, dy) -> Callable[[], object]:
+    """fwd+bwd of a GroupedLinear captured once in a CUDA graph (group_sizes read on the device each
+    replay): what a step costs the host when launch overhead matters."""
+    from moegemm.torch import GroupedLinear
+
+    layer = GroupedLinear(G, K, N, dtype=dtype, device=device)
+    x = torch.randn(dy.shape[0], K, device=device, dtype=dtype, requires_grad=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs asks
+        for _ in range(3):
+            layer.zero_grad(set_to_none=True)
+            layer(x, group_sizes).backward(dy)
+    torch.cuda.current_stream().wait_stream(side)
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer(x, group_sizes).backward(dy)
+    return graph.replay
 
 
 def measure(device: torch.device, dtype: torch.dtype, calls: int | None = None) -> list[dict]:
@@ -90,14 +114,22 @@ def measure(device: torch.device, dtype: torch.dtype, calls: int | None = None) 
             sync()
             rows.append({"impl": name, "op": op, "host_us_per_call": host_us, "calls": calls, "shape": shape})
     layer_calls, reset = _layer_calls(device, dtype)
-    for name, fn in layer_calls.items():
+    for fn in layer_calls.values():
         for _ in range(3):  # compile / warm caches
             reset()
             fn()
-        sync()
-        host_us = _median_us(fn, calls, reset)
-        sync()
-        rows.append({"impl": name, "op": "fwd+bwd", "host_us_per_call": host_us, "calls": calls, "shape": shape})
+    sync()
+    # The variants take turns over several rounds (median of the round medians): the H100 host's
+    # speed drifted by up to 2x between runs, and turns keep the ratios honest within one run.
+    rounds = ROUNDS if device.type == "cuda" else 1
+    samples: dict[str, list[float]] = {name: [] for name in layer_calls}
+    for _ in range(rounds):
+        for name, fn in layer_calls.items():
+            samples[name].append(_median_us(fn, max(1, calls // rounds), reset))
+            sync()
+    for name, values in samples.items():
+        rows.append({"impl": name, "op": "fwd+bwd", "host_us_per_call": statistics.median(values), "calls": calls,
+                     "rounds": rounds, "shape": shape})  # fmt: skip
     return rows
 
 
