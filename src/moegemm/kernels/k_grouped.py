@@ -95,8 +95,8 @@ def k_grouped_mm_kernel(
 
     if A_COLSUM:
         # Column sums of a (the bias gradient when a = dy): G x k_tiles memory-bound tiles after the GEMM
-        # tiles, kept out of the MMA loop (summing there slowed wgrad by ~20% on an H100, and Triton 3.6
-        # miscompiled the bf16 dot whose operand was also reduced). An empty group stores exact zeros.
+        # tiles, kept out of the MMA loop: summing the dot's operand there slowed wgrad by ~20% on an H100
+        # and gave a wrong bf16 dW on the GPU (right under the interpreter). An empty group stores exact 0.
         sum_offs = offs_r[:, None] * stride_am + offs_k[None, :] * stride_ak
         # The round-robin continues past the GEMM tiles, so programs that got one GEMM tile fewer go first.
         first = (pid + NUM_PROGRAMS - (G * tiles_per_group) % NUM_PROGRAMS) % NUM_PROGRAMS
