@@ -14,25 +14,18 @@ import cProfile
 import json
 import pstats
 import statistics
-import time
 
 import torch
 
+from moegemm.bench.overhead import median_host_us
 from moegemm.torch import GroupedLinear, _ops, k_grouped_mm, m_grouped_mm
 
 
-def us_per_call(fn, calls: int = 300, warmup: int = 20, reset=None) -> float:
-    times = []
-    for i in range(warmup + calls):
-        if reset is not None:
-            reset()
-        t0 = time.perf_counter()
-        fn()
-        t1 = time.perf_counter()
-        if i >= warmup:
-            times.append(t1 - t0)
+def us_per_call(fn, calls: int, reset, warmup: int = 20) -> float:
+    median_host_us(fn, warmup, reset)
+    us = median_host_us(fn, calls, reset)
     torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
+    return us
 
 
 def main() -> None:

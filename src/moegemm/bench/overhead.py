@@ -30,7 +30,8 @@ IMPLS = ("moegemm", "torch._grouped_mm")
 ROUNDS = 5
 
 
-def _median_us(fn: Callable[[], object], calls: int, reset: Callable[[], None] = lambda: None) -> float:
+def median_host_us(fn: Callable[[], object], calls: int, reset: Callable[[], None] = lambda: None) -> float:
+    """Median host time of ``fn()`` over ``calls`` calls, ``reset()`` untimed before each; no sync inside."""
     times = []
     for _ in range(calls):
         reset()
@@ -110,7 +111,7 @@ def measure(device: torch.device, dtype: torch.dtype, calls: int | None = None) 
             fn = impl.prepare(problem, op)
             fn()  # compile / warm caches
             sync()
-            host_us = _median_us(fn, calls)
+            host_us = median_host_us(fn, calls)
             sync()
             rows.append({"impl": name, "op": op, "host_us_per_call": host_us, "calls": calls, "shape": shape})
     layer_calls, reset = _layer_calls(device, dtype)
@@ -125,7 +126,7 @@ def measure(device: torch.device, dtype: torch.dtype, calls: int | None = None) 
     samples: dict[str, list[float]] = {name: [] for name in layer_calls}
     for _ in range(rounds):
         for name, fn in layer_calls.items():
-            samples[name].append(_median_us(fn, max(1, calls // rounds), reset))
+            samples[name].append(median_host_us(fn, max(1, calls // rounds), reset))
             sync()
     for name, values in samples.items():
         rows.append({"impl": name, "op": "fwd+bwd", "host_us_per_call": statistics.median(values), "calls": calls,

@@ -145,7 +145,7 @@ def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def m_grouped(x, w, group_sizes, backend: str, bias=None) -> torch.Tensor:
+def m_grouped(x, w, group_sizes, bias, backend: str) -> torch.Tensor:
     """out [M, N] = for g: x[rows(g)] @ w[g] (+ bias[g]) (differentiable in x, w and bias)."""
     if not _eager(x, w, group_sizes, bias):
         return m_grouped_mm_op(x, w, group_sizes, bias, backend)
@@ -245,7 +245,7 @@ def _m_grouped_grads(ctx, grad_out, mm, kmm, kmm_colsum):
     need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
     grad_x = grad_w = grad_b = None
     if need_x:
-        grad_x = mm(grad_out, w.mT, group_sizes, ctx.backend, None)
+        grad_x = mm(grad_out, w.mT, group_sizes, None, ctx.backend)
     # w is an nn.Linear-layout weight [G, N, K] seen as [G, K, N]: produce its gradient in that storage
     # layout (dy^T x), so no transposed copy is made when it reaches the weight. dy is then the
     # k-grouped `a` operand, whose column sums (the bias gradient) the same launch can produce.
@@ -259,9 +259,8 @@ def _m_grouped_grads(ctx, grad_out, mm, kmm, kmm_colsum):
                 grad_w = kmm(grad_out, x, group_sizes, w.dtype, ctx.backend).mT
             else:
                 grad_w = kmm(x, grad_out, group_sizes, w.dtype, ctx.backend)
-        if need_b:
-            ones = grad_out.new_ones(1).expand(grad_out.shape[0], 1)
-            grad_b = kmm(ones, grad_out, group_sizes, ctx.bias_dtype, ctx.backend).squeeze(1)
+        if need_b:  # dispatches to the custom op by itself when tracing, as kmm would be
+            grad_b = grouped_column_sums(grad_out, group_sizes, ctx.bias_dtype, ctx.backend)
     return grad_x, grad_w, None, grad_b, None
 
 
@@ -270,9 +269,9 @@ def _k_grouped_grads(ctx, grad_out, mm):
     grad_a = grad_b = None
     # out[g] = a_g^T b_g  =>  da_g = b_g dout[g]^T,  db_g = a_g dout[g]
     if ctx.needs_input_grad[0]:
-        grad_a = mm(b, grad_out.to(b.dtype).mT, group_sizes, ctx.backend, None)
+        grad_a = mm(b, grad_out.to(b.dtype).mT, group_sizes, None, ctx.backend)
     if ctx.needs_input_grad[1]:
-        grad_b = mm(a, grad_out.to(a.dtype), group_sizes, ctx.backend, None)
+        grad_b = mm(a, grad_out.to(a.dtype), group_sizes, None, ctx.backend)
     return grad_a, grad_b, None, None, None
 
 
@@ -323,12 +322,8 @@ def _setup_m(ctx, inputs, output):
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
-def _op_mm(x, w, group_sizes, backend, bias):
-    return m_grouped_mm_op(x, w, group_sizes, bias, backend)
-
-
 m_grouped_mm_op.register_autograd(
-    lambda ctx, grad_out: _m_grouped_grads(ctx, grad_out, _op_mm, k_grouped_mm_op, k_grouped_mm_colsum_op),
+    lambda ctx, grad_out: _m_grouped_grads(ctx, grad_out, m_grouped_mm_op, k_grouped_mm_op, k_grouped_mm_colsum_op),
     setup_context=_setup_m,
 )
 
@@ -351,7 +346,7 @@ def _setup_k(ctx, inputs, output):
 
 
 k_grouped_mm_op.register_autograd(
-    lambda ctx, grad_out: _k_grouped_grads(ctx, grad_out, _op_mm), setup_context=_setup_k
+    lambda ctx, grad_out: _k_grouped_grads(ctx, grad_out, m_grouped_mm_op), setup_context=_setup_k
 )
 
 

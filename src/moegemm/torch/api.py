@@ -118,7 +118,7 @@ def m_grouped_mm(
     group_sizes = as_group_sizes(group_sizes, w.shape[0], x.device)
     if checks_enabled(check):
         check_group_sizes_values(group_sizes, x.shape[0])
-    return _ops.m_grouped(x, w, group_sizes, resolve_backend(backend, x.device), bias)
+    return _ops.m_grouped(x, w, group_sizes, bias, resolve_backend(backend, x.device))
 
 
 def k_grouped_mm(

@@ -82,7 +82,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group_sizes, main_grad, dummy_wgrad, out, backend, fuse, delay, state):
         if out is None:
-            y = _ops.m_grouped(x, weight.mT, group_sizes, backend, bias)
+            y = _ops.m_grouped(x, weight.mT, group_sizes, bias, backend)
         else:
             _m_grouped_mm_into(x, weight.mT, group_sizes, bias, out, backend)
             ctx.mark_dirty(out)
@@ -104,7 +104,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         dx = dw = db = None
         if need_x:
             # dx[rows(g)] = dy[rows(g)] @ W[g]: the stored [G, N, K] weight is already the [G, K', N'] operand.
-            dx = _ops.m_grouped(dy, weight, group_sizes, backend)
+            dx = _ops.m_grouped(dy, weight, group_sizes, None, backend)
         if delay and (need_w or need_b):
             if state.pending is not None:
                 raise RuntimeError(
