@@ -1,6 +1,7 @@
 """Host-side cost of moegemm calls (tiny shapes, so the GPU never limits): us/call and a cProfile.
 
-    python scripts/profile_host.py [--json PATH]
+    python scripts/profile_host.py [--json PATH] [--cprofile]
+    MOEGEMM_DIRECT_LAUNCH=0 python scripts/profile_host.py ...   # every launch through JITFunction.run
 
 Rows: the bare Triton launch, each public op, GroupedLinear forward and forward+backward, and floors
 measured in the same process (a one-op autograd round trip, torch._grouped_mm forward+backward) so the
@@ -18,7 +19,7 @@ import statistics
 import torch
 
 from moegemm.bench.overhead import median_host_us
-from moegemm.torch import GroupedLinear, _ops, k_grouped_mm, m_grouped_mm
+from moegemm.torch import GroupedLinear, _launch, _ops, k_grouped_mm, m_grouped_mm
 
 
 def us_per_call(fn, calls: int, reset, warmup: int = 20) -> float:
@@ -31,6 +32,7 @@ def us_per_call(fn, calls: int, reset, warmup: int = 20) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
+    parser.add_argument("--cprofile", action="store_true", help="also print a cProfile of GroupedLinear fwd+bwd")
     args = parser.parse_args()
     G, M, K, N = 8, 64, 64, 64
     dt = torch.bfloat16
@@ -39,6 +41,7 @@ def main() -> None:
     dy = torch.randn(M, N, device="cuda", dtype=dt)
     gs = torch.full((G,), M // G, device="cuda", dtype=torch.int32)
     out = torch.empty(M, N, device="cuda", dtype=dt)
+    wgrad = torch.empty(G, N, K, device="cuda", dtype=dt)
     lin = GroupedLinear(G, K, N, dtype=dt, device="cuda")
     lin_nobias = GroupedLinear(G, K, N, bias=False, dtype=dt, device="cuda")
     xd, wd = x.detach(), w.detach()
@@ -53,7 +56,8 @@ def main() -> None:
         torch._grouped_mm(x, w.mT, offs=offs).backward(dy)
 
     calls = {
-        "bare launch_m_grouped (Triton dispatch)": lambda: _ops.launch_m_grouped(xd, wd.mT, gs, out),
+        "bare launch_m_grouped": lambda: _ops.launch_m_grouped(xd, wd.mT, gs, out),
+        "bare launch_k_grouped": lambda: _ops.launch_k_grouped(dy, xd, gs, wgrad, accumulate=False),
         "m_grouped_mm fwd (no grad)": lambda: m_grouped_mm(xd, wd.mT, gs),
         "k_grouped_mm wgrad": lambda: k_grouped_mm(dy, xd, gs, out_dtype=dt),
         "torch._grouped_mm fwd (no grad)": lambda: torch._grouped_mm(xd, wd.mT, offs=gs.cumsum(0, dtype=torch.int32)),
@@ -75,7 +79,10 @@ def main() -> None:
         print(f"{name:45s} {us:7.1f} us/call (host)  rounds {min(values):.0f}-{max(values):.0f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+            meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+            json.dump({**meta, "direct_launch": _launch.DIRECT_LAUNCH, "rows": rows}, f, indent=1)
+    if not args.cprofile:
+        return
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(300):

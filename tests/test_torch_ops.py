@@ -7,7 +7,7 @@ import torch
 from conftest import DEVICE
 
 from moegemm.testing import assert_rel_close
-from moegemm.torch import k_grouped_mm, m_grouped_mm
+from moegemm.torch import api, k_grouped_mm, m_grouped_mm
 from moegemm.torch.api import resolve_backend
 
 SIZES = [9, 0, 14, 6]  # sum 29 < M: rows 29..32 are unowned
@@ -190,10 +190,10 @@ def test_check_option_reports_values(sizes, match, monkeypatch):
         m_grouped_mm(x, w, sizes, check=True)
     with pytest.raises(ValueError, match=match):
         k_grouped_mm(x, x, sizes, check=True)
-    monkeypatch.setenv("MOEGEMM_CHECK", "1")
+    monkeypatch.setattr(api, "CHECK_BY_DEFAULT", True)  # what MOEGEMM_CHECK=1 at import sets
     with pytest.raises(ValueError, match=match):
         m_grouped_mm(x, w, sizes)
-    monkeypatch.setenv("MOEGEMM_CHECK", "0")
+    monkeypatch.setattr(api, "CHECK_BY_DEFAULT", False)
     m_grouped_mm(x, w, sizes)  # unchecked: clamps, no error
 
 

@@ -1,122 +1,19 @@
-"""torch.library custom ops, fake impls, autograd and kernel launches (the PyTorch glue).
+"""torch.library custom ops, fake impls and autograd (the PyTorch glue); launches are in ``_launch``.
 
 The public, checked entry points are in ``moegemm.torch.api``; these ops assume validated inputs.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-
 import torch
-import triton
 
-from moegemm import configs
-from moegemm.kernels.k_grouped import KGroupedLaunch, k_grouped_mm_kernel
-from moegemm.kernels.m_grouped import MGroupedLaunch, m_grouped_mm_kernel
 from moegemm.torch import reference
+from moegemm.torch._launch import INTERPRET, clear_launch_cache, launch_k_grouped, launch_m_grouped
 
-INTERPRET = bool(triton.knobs.runtime.interpret)
+__all__ = ["INTERPRET", "clear_launch_cache", "launch_k_grouped", "launch_m_grouped"]
+
 # Every output buffer comes from here, so tests can poison it with NaN (tests/conftest.py).
 empty = torch.empty
-# Programs of a persistent launch under the interpreter: odd and small, so the stride loop is exercised.
-INTERPRET_PROGRAMS = 3
-
-
-@functools.cache
-def _device_traits(index: int) -> tuple[str, str, int]:
-    props = torch.cuda.get_device_properties(index)
-    target = "sm90" if (props.major, props.minor) == (9, 0) else "cuda"
-    return target, props.name, props.multi_processor_count
-
-
-def _target(device: torch.device) -> tuple[str, str, int]:
-    if device.type == "cpu":
-        return "interpret", "", INTERPRET_PROGRAMS
-    return _device_traits(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def _device_guard(device: torch.device):
-    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
-    return torch.cuda.device(device)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-# Launch descriptions depend only on static facts (shapes, dtype, device, stride class), so they
-# are memoized: the per-call host cost is then the Triton launch itself (see docs/perf-notes.md).
-@functools.lru_cache(maxsize=4096)
-def _m_launch(M, N, K, G, dtype, device, max_stride, w_k_contiguous, has_bias) -> MGroupedLaunch:
-    target, device_name, programs = _target(device)
-    config = configs.pick_config(
-        "m_grouped", target, device_name=device_name, dtype=_dtype_name(dtype), G=G, N=N, K=K, M=M
-    )
-    return MGroupedLaunch.make(
-        M, N, K, G, config=config, num_programs_cap=programs,
-        fp32_inputs=dtype == torch.float32, interpret=target == "interpret",
-        max_stride=max_stride, w_k_contiguous=w_k_contiguous, has_bias=has_bias,
-    )  # fmt: skip
-
-
-@functools.lru_cache(maxsize=4096)
-def _k_launch(M, N, K, G, dtype, device, max_stride, a_k_contiguous, accumulate, a_colsum) -> KGroupedLaunch:
-    target, device_name, programs = _target(device)
-    config = configs.pick_config(
-        "k_grouped", target, device_name=device_name, dtype=_dtype_name(dtype), G=G, N=N, K=K, M=M
-    )
-    return KGroupedLaunch.make(
-        M, N, K, G, config=config, num_programs_cap=programs,
-        fp32_inputs=dtype == torch.float32, accumulate=accumulate, interpret=target == "interpret",
-        max_stride=max_stride, a_k_contiguous=a_k_contiguous, a_colsum=a_colsum,
-    )  # fmt: skip
-
-
-def clear_launch_cache() -> None:
-    """Forget memoized launches (after the config cache or pick_config changed, e.g. while tuning)."""
-    _m_launch.cache_clear()
-    _k_launch.cache_clear()
-
-
-def launch_m_grouped(x, w, group_sizes, out, bias=None) -> None:
-    """out [M, N] = for g: x[rows(g)] @ w[g] (+ bias[g]); bias [G, N] in x's dtype or None."""
-    M, K = x.shape
-    G, _, N = w.shape
-    if M == 0 or N == 0:
-        return
-    sx, sw, so = x.stride(), w.stride(), out.stride()
-    sb = (0, 0) if bias is None else bias.stride()
-    launch = _m_launch(
-        M, N, K, G, x.dtype, x.device, max(map(abs, (*sx, sw[1], sw[2], *so, sb[1]))),
-        sw[1] == 1 and sw[2] != 1, bias is not None,
-    )  # fmt: skip
-    with _device_guard(x.device):
-        m_grouped_mm_kernel[launch.grid](
-            x, w, group_sizes, x if bias is None else bias, out, M, N, K, G,
-            sx[0], sx[1], sw[0], sw[1], sw[2], so[0], so[1], sb[0], sb[1], **launch.meta,
-        )  # fmt: skip
-
-
-def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) -> None:
-    """out [G, K, N] (+)= for g: a[rows(g)]^T @ b[rows(g)]; a_colsum [G, K] (or None) = sum(a[rows(g)], 0)."""
-    M, K = a.shape
-    N = b.shape[1]
-    G = group_sizes.shape[0]
-    if G == 0 or K == 0 or (N == 0 and a_colsum is None):
-        return
-    sa, sb, so = a.stride(), b.stride(), out.stride()
-    ss = (0, 0) if a_colsum is None else a_colsum.stride()
-    launch = _k_launch(
-        M, N, K, G, a.dtype, a.device, max(map(abs, (*sa, *sb, so[1], so[2], ss[1]))), sa[1] == 1 and sa[0] != 1,
-        accumulate, a_colsum is not None,
-    )  # fmt: skip
-    with _device_guard(a.device):
-        k_grouped_mm_kernel[launch.grid](
-            a, b, group_sizes, out, out if a_colsum is None else a_colsum, out, M, N, K, G,
-            sa[0], sa[1], sb[0], sb[1], so[0], so[1], so[2], ss[0], ss[1], **launch.meta,
-        )  # fmt: skip
 
 
 # ---------------------------------------------------------------- dispatch
@@ -134,24 +31,28 @@ _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def _eager(*tensors: torch.Tensor | None) -> bool:
-    return (
-        not torch.compiler.is_compiling()
-        and torch._C._len_torch_dispatch_stack() == 0
-        and all(t is None or type(t) in _PLAIN_TENSOR_TYPES for t in tensors)
-    )
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    for t in tensors:  # a loop, not all(<generator>): this runs several times per layer call
+        if t is not None and type(t) not in _PLAIN_TENSOR_TYPES:
+            return False
+    return True
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def m_grouped(x, w, group_sizes, bias, backend: str) -> torch.Tensor:
-    """out [M, N] = for g: x[rows(g)] @ w[g] (+ bias[g]) (differentiable in x, w and bias)."""
+def m_grouped(x, w, group_sizes, bias, backend: str, w_nk: bool = False) -> torch.Tensor:
+    """out [M, N] = for g: x[rows(g)] @ w[g] (+ bias[g]) (differentiable in x, w and bias).
+
+    w: [G, K, N], or with ``w_nk`` the [G, N, K] storage of an nn.Linear-layout weight (used as w.mT).
+    """
     if not _eager(x, w, group_sizes, bias):
-        return m_grouped_mm_op(x, w, group_sizes, bias, backend)
+        return m_grouped_mm_op(x, w.mT if w_nk else w, group_sizes, bias, backend)
     if _needs_grad(x, w, bias):
-        return _MGroupedFunction.apply(x, w, group_sizes, bias, backend)
-    return _m_grouped_impl(x, w, group_sizes, bias, backend)
+        return _MGroupedFunction.apply(x, w.mT if w_nk else w, group_sizes, bias, backend)
+    return _m_grouped_impl(x, w, group_sizes, bias, backend, w_nk)
 
 
 def k_grouped(a, b, group_sizes, out_dtype: torch.dtype, backend: str) -> torch.Tensor:
@@ -194,11 +95,11 @@ def grouped_column_sums(t, group_sizes, out_dtype, backend: str) -> torch.Tensor
     return k_grouped(ones, t, group_sizes, out_dtype, backend).squeeze(1)
 
 
-def _m_grouped_impl(x, w, group_sizes, bias, backend):
+def _m_grouped_impl(x, w, group_sizes, bias, backend, w_nk=False):
     if backend == "reference":
-        return reference.m_grouped_mm_reference(x, w, group_sizes, bias)
-    out = empty(x.shape[0], w.shape[2], dtype=x.dtype, device=x.device)
-    launch_m_grouped(x, w, group_sizes, out, bias)
+        return reference.m_grouped_mm_reference(x, w.mT if w_nk else w, group_sizes, bias)
+    out = empty(x.shape[0], w.shape[1 if w_nk else 2], dtype=x.dtype, device=x.device)
+    launch_m_grouped(x, w, group_sizes, out, bias, w_nk)
     return out
 
 

@@ -8,6 +8,7 @@ interpreter, reference otherwise. An explicit choice that cannot be served raise
 
 from __future__ import annotations
 
+import functools
 import numbers
 import os
 from collections.abc import Sequence
@@ -24,14 +25,20 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
+    """The backend that serves ``backend`` for tensors on ``device`` (raises if none can)."""
+    return _resolve_backend(backend, device.type)
+
+
+@functools.cache
+def _resolve_backend(backend: str, device_type: str) -> str:
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" or _ops.INTERPRET else "reference"
-    if backend == "triton" and device.type != "cuda" and not _ops.INTERPRET:
+        return "triton" if device_type == "cuda" or _ops.INTERPRET else "reference"
+    if backend == "triton" and device_type != "cuda" and not _ops.INTERPRET:
         raise ValueError(
             f"backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported; "
-            f"got tensors on {device}"
+            f"got tensors on {device_type}"
         )
     return backend
 
@@ -71,8 +78,13 @@ def _check_same(names: str, *tensors: torch.Tensor) -> None:
         raise ValueError(f"{names} must be on one device, got {[str(t.device) for t in tensors]}")
 
 
+# The default of ``check``: MOEGEMM_CHECK=1 in the environment when moegemm is imported. Read once,
+# since os.environ.get costs ~3 us, and it would be paid on every layer call.
+CHECK_BY_DEFAULT = os.environ.get("MOEGEMM_CHECK", "0") not in ("", "0")
+
+
 def checks_enabled(check: bool | None) -> bool:
-    return check if check is not None else os.environ.get("MOEGEMM_CHECK", "0") not in ("", "0")
+    return check if check is not None else CHECK_BY_DEFAULT
 
 
 def check_group_sizes_values(group_sizes: torch.Tensor, M: int) -> None:

@@ -82,7 +82,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group_sizes, main_grad, dummy_wgrad, out, backend, fuse, delay, state):
         if out is None:
-            y = _ops.m_grouped(x, weight.mT, group_sizes, bias, backend)
+            y = _ops.m_grouped(x, weight, group_sizes, bias, backend, w_nk=True)
         else:
             _m_grouped_mm_into(x, weight.mT, group_sizes, bias, out, backend)
             ctx.mark_dirty(out)
@@ -222,13 +222,14 @@ class GroupedLinear(nn.Module):
         ``out=`` [M, out_features] receives the result in place. ``check=True`` (or MOEGEMM_CHECK=1)
         syncs to validate that sizes are >= 0 and sum exactly to M.
         """
-        G, N, K = self.weight.shape
+        weight = self.weight  # nn.Module attribute lookups of parameters cost ~1 us each: look up once
+        G, N, K = weight.shape
         if x.dim() != 2 or x.shape[1] != K:
             raise ValueError(f"GroupedLinear expects x [M, in_features={K}], got x of shape {tuple(x.shape)}")
-        if x.dtype != self.weight.dtype:
-            raise TypeError(f"x is {x.dtype} but GroupedLinear's parameters are {self.weight.dtype}")
-        if x.device != self.weight.device:
-            raise ValueError(f"x is on {x.device} but GroupedLinear's parameters are on {self.weight.device}")
+        if x.dtype != weight.dtype:
+            raise TypeError(f"x is {x.dtype} but GroupedLinear's parameters are {weight.dtype}")
+        if x.device != weight.device:
+            raise ValueError(f"x is on {x.device} but GroupedLinear's parameters are on {weight.device}")
         group_sizes = as_group_sizes(group_sizes, G, x.device)
         M = x.shape[0]
         if checks_enabled(check):
@@ -244,21 +245,21 @@ class GroupedLinear(nn.Module):
                 f"out must be a {x.dtype} tensor of shape {(M, N)} on {x.device}, got {out.dtype} "
                 f"{tuple(out.shape)} on {out.device}"
             )
-        if self.delay_wgrad_compute and self._state.pending is not None:
+        fuse, delay, state = self.fuse_wgrad_accumulation, self.delay_wgrad_compute, self._state
+        if delay and state.pending is not None:
             raise RuntimeError(
                 "GroupedLinear(delay_wgrad_compute=True): call backward_dw() after each backward, before the "
                 "next forward; the previous backward's weight gradient is still pending"
             )
         main_grad = dummy_wgrad = None
-        if self.fuse_wgrad_accumulation and self.weight.requires_grad and torch.is_grad_enabled():
+        if fuse and weight.requires_grad and torch.is_grad_enabled():
             main_grad = self._main_grad()
-            if not self.delay_wgrad_compute:
+            if not delay:
                 dummy_wgrad = self._mark_grad_added_to_main_grad()
         backend = resolve_backend(self.backend, x.device)
         return _GroupedLinearFunction.apply(
-            x, self.weight, self.bias, group_sizes, main_grad, dummy_wgrad, out, backend,
-            self.fuse_wgrad_accumulation, self.delay_wgrad_compute, self._state,
-        )  # fmt: skip
+            x, weight, self.bias, group_sizes, main_grad, dummy_wgrad, out, backend, fuse, delay, state
+        )
 
     def _mark_grad_added_to_main_grad(self) -> torch.Tensor | None:
         """TE/Megatron: with ``weight.grad_added_to_main_grad`` present, set it and return the dummy

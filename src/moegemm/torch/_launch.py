@@ -1,0 +1,198 @@
+"""Kernel launches from PyTorch tensors: launch descriptions, and a direct path into compiled kernels.
+
+``launch_m_grouped`` / ``launch_k_grouped`` assume validated inputs (``moegemm.torch.api`` checks them).
+
+Why a direct path: ``JITFunction.run`` re-derives, on every call, the specialization of ~30 arguments
+(pointer alignment, integer divisibility), a string cache key and the launch options. That cost
+38-52 us per launch on the H100 host (docs/perf-notes.md, 8), more than a small grouped GEMM takes on
+the GPU. ``DirectLaunch`` lets Triton bind the first call of each specialization as usual, keeps the
+CompiledKernel it returns, and calls its launcher for later calls with the same key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+import triton
+
+from moegemm import configs
+from moegemm.kernels.k_grouped import KGroupedLaunch, k_grouped_mm_kernel
+from moegemm.kernels.m_grouped import MGroupedLaunch, m_grouped_mm_kernel
+
+INTERPRET = bool(triton.knobs.runtime.interpret)
+# Programs of a persistent launch under the interpreter: odd and small, so the stride loop is exercised.
+INTERPRET_PROGRAMS = 3
+# MOEGEMM_DIRECT_LAUNCH=0 sends every launch through JITFunction.run (to measure what the direct path saves).
+DIRECT_LAUNCH = os.environ.get("MOEGEMM_DIRECT_LAUNCH", "1") != "0"
+
+
+@functools.cache
+def _device_traits(index: int) -> tuple[str, str, int]:
+    props = torch.cuda.get_device_properties(index)
+    target = "sm90" if (props.major, props.minor) == (9, 0) else "cuda"
+    return target, props.name, props.multi_processor_count
+
+
+def _target(device: torch.device) -> tuple[str, str, int]:
+    if device.type == "cpu":
+        return "interpret", "", INTERPRET_PROGRAMS
+    return _device_traits(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# Launch descriptions depend only on static facts (shapes, dtype, device, stride class), so they are
+# memoized.
+@functools.lru_cache(maxsize=4096)
+def _m_launch(M, N, K, G, dtype, device, max_stride, w_k_contiguous, has_bias) -> MGroupedLaunch:
+    target, device_name, programs = _target(device)
+    config = configs.pick_config(
+        "m_grouped", target, device_name=device_name, dtype=_dtype_name(dtype), G=G, N=N, K=K, M=M
+    )
+    return MGroupedLaunch.make(
+        M, N, K, G, config=config, num_programs_cap=programs,
+        fp32_inputs=dtype == torch.float32, interpret=target == "interpret",
+        max_stride=max_stride, w_k_contiguous=w_k_contiguous, has_bias=has_bias,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def _k_launch(M, N, K, G, dtype, device, max_stride, a_k_contiguous, accumulate, a_colsum) -> KGroupedLaunch:
+    target, device_name, programs = _target(device)
+    config = configs.pick_config(
+        "k_grouped", target, device_name=device_name, dtype=_dtype_name(dtype), G=G, N=N, K=K, M=M
+    )
+    return KGroupedLaunch.make(
+        M, N, K, G, config=config, num_programs_cap=programs,
+        fp32_inputs=dtype == torch.float32, accumulate=accumulate, interpret=target == "interpret",
+        max_stride=max_stride, a_k_contiguous=a_k_contiguous, a_colsum=a_colsum,
+    )  # fmt: skip
+
+
+class DirectLaunch:
+    """One @triton.jit kernel whose tensor arguments come first, then integers, then constexprs.
+
+    ``launch(spec, tensors, ints, describe)``: ``spec`` is a hashable summary of everything the launch
+    description depends on, ``describe()`` builds that description (grid and meta) on a miss. The key
+    of a bound launch is what Triton specializes on: spec, the integer values, and each tensor's dtype
+    and 16-byte alignment. Anything else (the interpreter, a launch hook such as a profiler's, the
+    switch above) takes JITFunction.run.
+    """
+
+    MAX_ENTRIES = 4096
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.bound: dict[tuple, tuple] = {}
+
+    def clear(self) -> None:
+        self.bound.clear()
+
+    def _direct(self) -> bool:
+        knobs = triton.knobs.runtime
+        return DIRECT_LAUNCH and not INTERPRET and not _hooked(knobs.launch_enter_hook) and not _hooked(
+            knobs.launch_exit_hook
+        )
+
+    def launch(self, spec: tuple, tensors: tuple, ints: tuple, describe) -> None:
+        device = tensors[0].device
+        direct = self._direct()
+        if direct:
+            # One flat tuple: hashing it is most of the hit path's cost.
+            aligned = sum(1 << i for i, t in enumerate(tensors) if t.data_ptr() % 16 == 0)
+            key = (*spec, *ints, aligned, *[t.dtype for t in tensors])
+            entry = self.bound.get(key)
+            if entry is not None:
+                run, function, packed_metadata, grid_0, constexprs = entry
+                with _device_guard(device):
+                    run(grid_0, 1, 1, current_stream(device.index), function, packed_metadata, None, None, None,
+                        *tensors, *ints, *constexprs)  # fmt: skip
+                return
+        launch = describe()
+        with _device_guard(device):
+            compiled = self.kernel[launch.grid](*tensors, *ints, **launch.meta)
+        if direct and getattr(compiled, "function", None) is not None:
+            if len(self.bound) >= self.MAX_ENTRIES:
+                self.bound.clear()
+            constexprs = tuple(launch.meta[p.name] for p in self.kernel.params if p.is_constexpr)
+            self.bound[key] = (compiled.run, compiled.function, compiled.packed_metadata, launch.grid[0], constexprs)
+
+
+def _hooked(hook) -> bool:
+    """A launch hook is installed: None, or (triton >= 3.5) an empty HookChain, means none."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def current_stream(index: int) -> int:
+    """The raw handle of the current CUDA stream on device ``index`` (what Triton's driver reads)."""
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+def _device_guard(device: torch.device):
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+M_GROUPED = DirectLaunch(m_grouped_mm_kernel)
+K_GROUPED = DirectLaunch(k_grouped_mm_kernel)
+
+
+def clear_launch_cache() -> None:
+    """Forget memoized and bound launches (after the config cache or pick_config changed, e.g. while tuning)."""
+    _m_launch.cache_clear()
+    _k_launch.cache_clear()
+    M_GROUPED.clear()
+    K_GROUPED.clear()
+
+
+def launch_m_grouped(x, w, group_sizes, out, bias=None, w_nk: bool = False) -> None:
+    """out [M, N] = for g: x[rows(g)] @ w[g] (+ bias[g]); bias [G, N] in x's dtype or None.
+
+    w is [G, K, N], or with ``w_nk`` its [G, N, K] storage (an nn.Linear weight, used as w.mT without
+    making that view: a view of a parameter costs several us of host time).
+    """
+    M, K = x.shape
+    if w_nk:
+        G, N, _ = w.shape
+        sw_g, sw_n, sw_k = w.stride()
+        sw = (sw_g, sw_k, sw_n)
+    else:
+        G, _, N = w.shape
+        sw = w.stride()
+    if M == 0 or N == 0:
+        return
+    sx, so = x.stride(), out.stride()
+    sb = (0, 0) if bias is None else bias.stride()
+    spec = (
+        M, N, K, G, x.dtype, x.device, max(map(abs, (*sx, sw[1], sw[2], *so, sb[1]))),
+        sw[1] == 1 and sw[2] != 1, bias is not None,
+    )  # fmt: skip
+    M_GROUPED.launch(
+        spec, (x, w, group_sizes, x if bias is None else bias, out), (M, N, K, G, *sx, *sw, *so, *sb),
+        lambda: _m_launch(*spec),
+    )  # fmt: skip
+
+
+def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) -> None:
+    """out [G, K, N] (+)= for g: a[rows(g)]^T @ b[rows(g)]; a_colsum [G, K] (or None) = sum(a[rows(g)], 0)."""
+    M, K = a.shape
+    N = b.shape[1]
+    G = group_sizes.shape[0]
+    if G == 0 or K == 0 or (N == 0 and a_colsum is None):
+        return
+    sa, sb, so = a.stride(), b.stride(), out.stride()
+    ss = (0, 0) if a_colsum is None else a_colsum.stride()
+    spec = (
+        M, N, K, G, a.dtype, a.device, max(map(abs, (*sa, *sb, so[1], so[2], ss[1]))), sa[1] == 1 and sa[0] != 1,
+        accumulate, a_colsum is not None,
+    )  # fmt: skip
+    K_GROUPED.launch(
+        spec, (a, b, group_sizes, out, out if a_colsum is None else a_colsum, out),
+        (M, N, K, G, *sa, *sb, *so, *ss), lambda: _k_launch(*spec),
+    )  # fmt: skip
