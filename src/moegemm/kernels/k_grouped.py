@@ -22,13 +22,16 @@ from moegemm.kernels.schedule import group_row_bounds, pick, swizzle_tile
 
 @triton.jit
 def k_grouped_mm_kernel(
-    # Pointer order and constexpr-able sizes/strides as in m_grouped_mm_kernel.
+    # Pointer order as in m_grouped_mm_kernel. The strides are constexprs for every caller: fixed
+    # per layer, and compiled in they took compute-bound wgrad from 488 to 572 TF/s (dsv3 fc1) and
+    # 519 to 650 (mixtral) on the H100 (docs/perf-notes.md, 9). Sizes stay runtime ints for PyTorch
+    # (jax-triton passes them as constexprs too).
     a_ptr, b_ptr, group_sizes_ptr, c_ptr, a_colsum_ptr, out_ptr,
     M, N, K, G,
-    stride_am, stride_ak,
-    stride_bm, stride_bn,
-    stride_og, stride_ok, stride_on,
-    stride_sg, stride_sk,
+    stride_am: tl.constexpr, stride_ak: tl.constexpr,
+    stride_bm: tl.constexpr, stride_bn: tl.constexpr,
+    stride_og: tl.constexpr, stride_ok: tl.constexpr, stride_on: tl.constexpr,
+    stride_sg: tl.constexpr, stride_sk: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr, BLOCK_G: tl.constexpr,

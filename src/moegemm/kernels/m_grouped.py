@@ -24,10 +24,12 @@ from moegemm.kernels.schedule import group_row_bounds, pick, swizzle_tile
 @triton.jit
 def m_grouped_mm_kernel(
     # Pointers first, the output last among them; sizes and strides follow so that jax-triton can
-    # pass them as constexprs (its runtime int scalars carry no divisibility facts, which would
-    # disable vectorized, pipelined loads). PyTorch passes them as ordinary runtime ints.
+    # pass them all as constexprs (its runtime int scalars carry no divisibility facts, which would
+    # disable vectorized, pipelined loads). N, K and G are constexprs for every caller: fixed per
+    # layer, and compiled in they gave +3-6% on compute-bound shapes (docs/perf-notes.md, 9). M, the
+    # token count, stays a runtime int so that a new batch size does not recompile.
     x_ptr, w_ptr, group_sizes_ptr, bias_ptr, out_ptr,
-    M, N, K, G,
+    M, N: tl.constexpr, K: tl.constexpr, G: tl.constexpr,
     stride_xm, stride_xk,
     stride_wg, stride_wk, stride_wn,
     stride_om, stride_on,

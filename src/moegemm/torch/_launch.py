@@ -75,7 +75,7 @@ def _k_launch(M, N, K, G, dtype, device, max_stride, a_k_contiguous, accumulate,
 
 
 class DirectLaunch:
-    """One @triton.jit kernel whose tensor arguments come first, then integers, then constexprs.
+    """One @triton.jit kernel whose tensor arguments come first, then integers, then meta-parameters.
 
     ``launch(spec, tensors, ints, describe)``: ``spec`` is a hashable summary of everything the launch
     description depends on, ``describe()`` builds that description (grid and meta) on a miss. The key
@@ -119,7 +119,8 @@ class DirectLaunch:
         if direct and getattr(compiled, "function", None) is not None:
             if len(self.bound) >= self.MAX_ENTRIES:
                 self.bound.clear()
-            constexprs = tuple(launch.meta[p.name] for p in self.kernel.params if p.is_constexpr)
+            # The meta-parameters follow the tensors and ints (which may hold constexprs of their own).
+            constexprs = tuple(launch.meta[p.name] for p in self.kernel.params[len(tensors) + len(ints) :])
             self.bound[key] = (compiled.run, compiled.function, compiled.packed_metadata, launch.grid[0], constexprs)
 
 
