@@ -3,6 +3,9 @@
     python scripts/profile_host.py [--json PATH] [--cprofile]
     MOEGEMM_DIRECT_LAUNCH=0 python scripts/profile_host.py ...   # every launch through JITFunction.run
 
+Rows marked [JITFunction.run launches] repeat a row with the direct launch path switched off, in the
+same rounds.
+
 Rows: the bare Triton launch, each public op, GroupedLinear forward and forward+backward, and floors
 measured in the same process (a one-op autograd round trip, torch._grouped_mm forward+backward) so the
 numbers can be read against what this host costs for anything.
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import json
 import pstats
 import statistics
@@ -27,6 +31,14 @@ def us_per_call(fn, calls: int, reset, warmup: int = 20) -> float:
     us = median_host_us(fn, calls, reset)
     torch.cuda.synchronize()
     return us
+
+
+def through_jit(fn) -> None:
+    saved, _launch.DIRECT_LAUNCH = _launch.DIRECT_LAUNCH, False
+    try:
+        fn()
+    finally:
+        _launch.DIRECT_LAUNCH = saved
 
 
 def main() -> None:
@@ -67,6 +79,10 @@ def main() -> None:
         "GroupedLinear fwd+bwd": lambda: lin(x, gs).backward(dy),
         "GroupedLinear no-bias fwd+bwd": lambda: lin_nobias(x, gs).backward(dy),
     }
+    # The same calls with every launch through JITFunction.run, in the same rounds (an A/B that the
+    # host's drift between processes cannot bias).
+    for name in ("bare launch_m_grouped", "m_grouped_mm fwd (no grad)", "GroupedLinear fwd+bwd"):
+        calls[f"{name} [JITFunction.run launches]"] = functools.partial(through_jit, calls[name])
     # Rounds in turns, median of the round medians: the host's speed drifts between (and within) runs.
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(5):
