@@ -81,7 +81,8 @@ class DirectLaunch:
     description depends on, ``describe()`` builds that description (grid and meta) on a miss. The key
     of a bound launch is what Triton specializes on: spec, the integer values, and each tensor's dtype
     and 16-byte alignment. Anything else (the interpreter, a launch hook such as a profiler's, the
-    switch above) takes JITFunction.run.
+    switch above) takes JITFunction.run. Not tracked: Triton debug/instrumentation knobs changed after
+    a specialization was bound (``clear_launch_cache()`` forgets the bindings).
     """
 
     MAX_ENTRIES = 4096
