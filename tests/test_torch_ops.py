@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import DEVICE
@@ -195,6 +199,14 @@ def test_check_option_reports_values(sizes, match, monkeypatch):
         m_grouped_mm(x, w, sizes)
     monkeypatch.setattr(api, "CHECK_BY_DEFAULT", False)
     m_grouped_mm(x, w, sizes)  # unchecked: clamps, no error
+
+
+@pytest.mark.parametrize("value,expected", [("1", True), ("0", False), ("", False)])
+def test_moegemm_check_env_sets_the_default_at_import(value, expected):
+    code = "from moegemm.torch import api; print(api.CHECK_BY_DEFAULT)"
+    env = {**os.environ, "MOEGEMM_CHECK": value}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(expected)
 
 
 def test_backend_choice_is_explicit():
