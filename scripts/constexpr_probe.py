@@ -1,13 +1,14 @@
 """Which sizes/strides, compiled in as constants, make the grouped kernels faster? (GPU only)
 
-The JAX front end passes every size and stride as a constexpr (jax-triton); the PyTorch launcher passes
-them as runtime ints that Triton specializes only on ``== 1`` and ``% 16 == 0``. On the H100 the JAX
-k-grouped kernel ran 10-20% faster on compute-bound wgrad. This probe builds variants of the kernel
-modules in which chosen parameters are declared ``tl.constexpr`` (text substitution in the signature,
+The JAX front end passes every size and stride as a constexpr (jax-triton); the PyTorch launcher passed
+them as runtime ints that Triton specializes only on ``== 1`` and ``% 16 == 0``, and on the H100 the JAX
+k-grouped kernel ran 10-20% faster on compute-bound wgrad (the probe's findings are now in the kernels:
+docs/perf-notes.md, 9). This probe builds variants of the kernel modules in which the sizes and strides
+are runtime ints except the chosen ones, declared ``tl.constexpr`` (text substitution in the signature,
 written to a temporary package), checks each against a float32 torch loop and times it with CUDA
-events (triton.testing.do_bench, median), on the same configs and launch meta as the library.
+events (triton.testing.do_bench, median), with the library's own launch descriptions.
 
-    python scripts/constexpr_probe.py [--json PATH]
+    python scripts/constexpr_probe.py [--json PATH]           # without a GPU: TRITON_INTERPRET=1, tiny cases
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ from pathlib import Path
 import torch
 import triton
 
-from moegemm import configs, kernels, shapes
+from moegemm import kernels, shapes
 from moegemm.bench.problem import make_problem
 from moegemm.torch import _launch
 
 KERNEL_DIR = Path(kernels.__file__).parent
 K_VARIANTS = {
-    "runtime (as shipped)": (),
+    "runtime": (),
     "N,K,G": ("N", "K", "G"),
     "strides": ("stride_am", "stride_ak", "stride_bm", "stride_bn", "stride_og", "stride_ok", "stride_on"),
     "N,K,G+strides": ("N", "K", "G", "stride_am", "stride_ak", "stride_bm", "stride_bn", "stride_og",
@@ -39,7 +40,7 @@ K_VARIANTS = {
                              "stride_og", "stride_ok", "stride_on", "stride_sg", "stride_sk"),  # fmt: skip
 }
 M_VARIANTS = {
-    "runtime (as shipped)": (),
+    "runtime": (),
     "N,K,G": ("N", "K", "G"),
     "N,K,G+strides": ("N", "K", "G", "stride_xm", "stride_xk", "stride_wg", "stride_wk", "stride_wn",
                       "stride_om", "stride_on"),  # fmt: skip
@@ -55,6 +56,10 @@ def variant_module(tmp: Path, module: str, names: tuple[str, ...], tag: str):
     signature, end, body = rest.partition("):  # fmt: skip")
     lines = [line.partition("#")[0] for line in signature.splitlines()]  # comments mention names too
     signature = "\n".join(lines)
+    # Start from all-runtime sizes and strides (the shipped kernels declare some of them constexpr).
+    probed = {name for variants in (K_VARIANTS, M_VARIANTS) for group in variants.values() for name in group}
+    for name in probed:
+        signature = re.sub(rf"(?<=[\s(,]){name}: tl\.constexpr,", f"{name},", signature)
     for name in names:
         signature, n = re.subn(rf"(?<=[\s(,]){name},", f"{name}: tl.constexpr,", signature)
         assert n == 1, (module, name, n)
@@ -74,15 +79,13 @@ def run_wgrad(mod, names, problem):
     N = b.shape[1]
     G = problem.case.G
     out = torch.empty(G, K, N, device=a.device, dtype=a.dtype)
-    target, device_name, programs = _launch._target(a.device)
-    config = configs.pick_config("k_grouped", target, device_name=device_name, dtype="bfloat16", G=G, N=N, K=K, M=M)
-    launch = mod.KGroupedLaunch.make(M, N, K, G, config=config, num_programs_cap=programs, fp32_inputs=False,
-                                     accumulate=False, interpret=target == "interpret", max_stride=max(K, N),
-                                     a_k_contiguous=True)  # fmt: skip
+    # The shipped launch description (config, grid, meta): the variants differ only in constexpr-ness.
+    launch = _launch._k_launch(M, N, K, G, a.dtype, a.device, max(K, N), True, False, False)
     values = dict(a_ptr=a, b_ptr=b, group_sizes_ptr=problem.group_sizes, c_ptr=out, a_colsum_ptr=out, out_ptr=out,
                   M=M, N=N, K=K, G=G, stride_am=a.stride(0), stride_ak=a.stride(1), stride_bm=b.stride(0),
                   stride_bn=b.stride(1), stride_og=out.stride(0), stride_ok=out.stride(1), stride_on=out.stride(2),
                   stride_sg=0, stride_sk=0)  # fmt: skip
+
     def fn():  # all by keyword: which parameters are constexprs depends on the variant
         mod.k_grouped_mm_kernel[launch.grid](**values, **launch.meta)
 
@@ -98,14 +101,12 @@ def run_fwd(mod, names, problem):
     M, K = x.shape
     G, _, N = w.shape
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    target, device_name, programs = _launch._target(x.device)
-    config = configs.pick_config("m_grouped", target, device_name=device_name, dtype="bfloat16", G=G, N=N, K=K, M=M)
-    launch = mod.MGroupedLaunch.make(M, N, K, G, config=config, num_programs_cap=programs, fp32_inputs=False,
-                                     interpret=target == "interpret", max_stride=max(K, N), w_k_contiguous=True)  # fmt: skip
+    launch = _launch._m_launch(M, N, K, G, x.dtype, x.device, max(K, N), True, False)
     values = dict(x_ptr=x, w_ptr=w, group_sizes_ptr=problem.group_sizes, bias_ptr=x, out_ptr=out,
                   M=M, N=N, K=K, G=G, stride_xm=x.stride(0), stride_xk=x.stride(1), stride_wg=w.stride(0),
                   stride_wk=w.stride(1), stride_wn=w.stride(2), stride_om=out.stride(0), stride_on=out.stride(1),
                   stride_bg=0, stride_bn=0)  # fmt: skip
+
     def fn():
         mod.m_grouped_mm_kernel[launch.grid](**values, **launch.meta)
 
