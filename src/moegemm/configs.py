@@ -39,6 +39,22 @@ class KGroupedConfig:
     ctas_per_sm: int = 1
 
 
+@dataclasses.dataclass(frozen=True)
+class QuantizeConfig:
+    """FP8 quantize launches: the tile kernels' BLOCK_R x BLOCK_C tile (128 x 128 for blockwise, whose
+    scale blocks it is), and the row/column sweeps of rowwise scaling (rows per program and columns per
+    step; columns per program and rows per step)."""
+
+    block_r: int = 128
+    block_c: int = 128
+    sweep_rows: int = 16
+    sweep_cols: int = 512
+    col_block: int = 64
+    col_rows: int = 64
+    num_warps: int = 8
+    ctas_per_sm: int = 2
+
+
 M, K = MGroupedConfig, KGroupedConfig
 TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
     ("m_grouped", "interpret"): [
@@ -72,6 +88,30 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
         (K(64, 128, 64, 8, 4, 3, 3), "3 CTAs/SM: more output tiles in flight on many-expert shapes"),
         (K(128, 64, 64, 8, 4, 3, 3), "narrow N tile, 3 CTAs/SM"),
     ],
+    # FP8: BLOCK_K 128 is one DeepSeek-V3 scale block (blockwise promotes once per step); 1-byte
+    # operands fit a 128 x 256 x 128 tile in 3 stages (144 KB of shared memory).
+    ("m_grouped_fp8", "interpret"): [(M(32, 32, 32, 4, 4, 1), "interpreter: small tiles")],
+    ("k_grouped_fp8", "interpret"): [(K(32, 32, 32, 4, 4, 1), "interpreter: small tiles")],
+    ("m_grouped_fp8", "sm90"): [
+        (M(128, 256, 128, 8, 8, 3), "FP8 anchor: widest tile that fits 3 stages"),
+        (M(128, 128, 128, 8, 4, 4), "fewer padded columns, 4 stages"),
+        (M(128, 128, 128, 8, 8, 3, 2), "2 CTAs/SM: one's epilogue under the other's loop"),
+        (M(64, 256, 128, 8, 4, 4), "many-expert shapes: less waste per group"),
+        (M(64, 128, 128, 8, 4, 4, 2), "small groups: more tiles in flight"),
+    ],
+    ("k_grouped_fp8", "sm90"): [
+        (K(128, 128, 128, 8, 8, 3), "FP8 wgrad anchor: one 128-token scale block per step"),
+        (K(128, 256, 128, 8, 8, 3), "wide N"),
+        (K(128, 128, 128, 8, 4, 3, 2), "2 CTAs/SM"),
+        (K(128, 128, 64, 8, 4, 4, 2), "short groups: half-block steps, deeper pipeline"),
+    ],
+    ("quantize_fp8", "interpret"): [
+        (QuantizeConfig(32, 32, 8, 32, 32, 16, 4, 1), "interpreter: small tiles")
+    ],
+    ("quantize_fp8", "sm90"): [(QuantizeConfig(), "128 x 128 tiles are the blockwise scale blocks")],
+    ("quantize_fp8", "cuda"): [(QuantizeConfig(), "untuned")],
+    ("m_grouped_fp8", "cuda"): [(M(64, 64, 64, 8, 4, 2), "untuned; FP8 tensor cores need sm89+")],
+    ("k_grouped_fp8", "cuda"): [(K(64, 64, 64, 8, 4, 2), "untuned; FP8 tensor cores need sm89+")],
     ("m_grouped", "cuda"): [(M(64, 64, 32, 8, 4, 2), "pre-Hopper fallback, untuned")],
     ("k_grouped", "cuda"): [(K(64, 64, 32, 8, 4, 2), "pre-Hopper fallback, untuned")],
 }
@@ -110,7 +150,7 @@ def pick_config(op: str, target: str, *, device_name: str = "", dtype: str = "",
     if target != "interpret" and device_name:
         hit = load_cache(device_name).get(cache_key(op, dtype, G, N, K, M))
         if hit is not None:
-            config = (MGroupedConfig if op == "m_grouped" else KGroupedConfig)(**hit)
+            config = type(config)(**hit)
     if dtype == "float32" and target != "interpret":
         # 4-byte operands double the shared memory per stage; halve the reduction step to fit.
         field = "block_k" if op == "m_grouped" else "block_r"

@@ -18,7 +18,7 @@ import dataclasses
 import triton
 import triton.language as tl
 
-from moegemm.kernels.schedule import group_row_bounds, pick, swizzle_tile
+from moegemm.kernels.schedule import group_row_bounds, locate_row_tile, row_tile_space
 
 
 @triton.jit
@@ -62,13 +62,8 @@ def m_grouped_mm_kernel(
     pid = tl.program_id(0)
     # Slot G collects the rows past sum(group_sizes): bounds [min(total, M), M).
     offs, starts, ends = group_row_bounds(group_sizes_ptr, G, M, BLOCK_G)
-    owned = tl.max(tl.where(offs < G, ends, 0), 0)
-    starts = tl.where(offs == G, owned, starts)
-    ends = tl.where(offs == G, M, ends)
     n_tiles = tl.cdiv(N, BLOCK_N)
-    m_tiles = tl.where(offs <= G, tl.cdiv(ends - starts, BLOCK_M), 0)
-    tile_ends = tl.cumsum(m_tiles * n_tiles, 0)
-    total_tiles = tl.max(tile_ends, 0)
+    starts, ends, m_tiles, tile_ends, total_tiles = row_tile_space(offs, starts, ends, G, M, n_tiles, BLOCK_M)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -78,12 +73,10 @@ def m_grouped_mm_kernel(
         offs_n = offs_n.to(tl.int64)
         offs_k = offs_k.to(tl.int64)
     for tile in range(pid, total_tiles, NUM_PROGRAMS):
-        g = tl.sum((tile_ends <= tile).to(tl.int32), 0)
-        g_m_tiles = pick(m_tiles, offs, g)
-        local = tile - (pick(tile_ends, offs, g) - g_m_tiles * n_tiles)
-        m_tile, n_tile = swizzle_tile(local, g_m_tiles, n_tiles, GROUP_M)
-        row0 = pick(starts, offs, g) + m_tile * BLOCK_M  # int64
-        row_mask = offs_m < pick(ends, offs, g) - row0
+        g, m_tile, n_tile, row0, row_end, _ = locate_row_tile(
+            tile, offs, starts, ends, m_tiles, tile_ends, n_tiles, BLOCK_M, GROUP_M
+        )
+        row_mask = offs_m < row_end - row0  # row0 is int64
         col0 = n_tile * BLOCK_N
         col_mask = offs_n < N - col0
         # 64-bit scalar tile origins; per-element offsets stay 32-bit (WIDE_OFFSETS when they can't),

@@ -50,3 +50,51 @@ def swizzle_tile(local, m_tiles, n_tiles, GROUP_M: tl.constexpr):
     band_m = tl.minimum(m_tiles - first_m, GROUP_M)
     in_band = local % band_width
     return first_m + in_band % band_m, in_band // band_m
+
+
+@triton.jit
+def uniform_row_bounds(G, M, rows_per_group, BLOCK_G: tl.constexpr):
+    """(offs, starts, ends) of G groups of ``rows_per_group`` consecutive rows each, cut at M: the
+    experts of a [G, N, K] weight seen as [G * N, K] rows, or one group over all M rows (G=1)."""
+    offs = tl.arange(0, BLOCK_G).to(tl.int64)
+    starts = tl.minimum(offs * rows_per_group, M)
+    ends = tl.where(offs < G, tl.minimum(starts + rows_per_group, M), starts)
+    return offs, starts, ends
+
+
+@triton.jit
+def row_tile_space(offs, starts, ends, G, M, n_tiles, BLOCK_M: tl.constexpr):
+    """The tile space of groups of rows: group g owns ``cdiv(rows_g, BLOCK_M) * n_tiles`` consecutive
+    tiles, and slot G owns the rows past the last group (zero-filled by the kernels).
+
+    Returns (starts, ends, m_tiles, tile_ends, total_tiles), with slot G's bounds filled in.
+    """
+    owned = tl.max(tl.where(offs < G, ends, 0), 0)
+    starts = tl.where(offs == G, owned, starts)
+    ends = tl.where(offs == G, M, ends)
+    m_tiles = tl.where(offs <= G, tl.cdiv(ends - starts, BLOCK_M), 0)
+    tile_ends = tl.cumsum(m_tiles * n_tiles, 0)
+    return starts, ends, m_tiles, tile_ends, tl.max(tile_ends, 0)
+
+
+@triton.jit
+def locate_row_tile(tile, offs, starts, ends, m_tiles, tile_ends, n_tiles, BLOCK_M: tl.constexpr, GROUP_M):
+    """Tile index -> (g, m_tile, n_tile, row0, row_end, first_m_tile): its group (G for the tail slot),
+    its place in that group, its first row and the group's end row (int64), and the number of row tiles
+    of the groups before g (a group-aligned block index base)."""
+    g = tl.sum((tile_ends <= tile).to(tl.int32), 0)
+    g_m_tiles = pick(m_tiles, offs, g)
+    group_first_tile = pick(tile_ends, offs, g) - g_m_tiles * n_tiles
+    m_tile, n_tile = swizzle_tile(tile - group_first_tile, g_m_tiles, n_tiles, GROUP_M)
+    row0 = pick(starts, offs, g) + m_tile * BLOCK_M
+    return g, m_tile, n_tile, row0, pick(ends, offs, g), group_first_tile // n_tiles
+
+
+@triton.jit
+def aligned_group_offsets(offs, starts, ends, G, ALIGN: tl.constexpr):
+    """Exclusive prefix sum of cdiv(rows_g, ALIGN): group g's first column in a transposed copy whose
+    groups each start at a multiple of ALIGN, counted in units of ALIGN. Callers pick a group's entry
+    and multiply by ALIGN themselves, so Triton sees the product's divisibility (vectorized loads
+    along the token dimension)."""
+    units = tl.where(offs < G, tl.cdiv(ends - starts, ALIGN), 0)
+    return tl.cumsum(units, 0) - units

@@ -1,0 +1,346 @@
+"""FP8 quantize kernels (current scaling): ``data = cast(clamp(x / scale)), scale = amax / FP8_MAX``.
+
+The input is a matrix x [R, C] whose rows form groups: activations [M, K] split by device-side
+``group_sizes`` (HAS_SIZES), or a weight [G, N, K] seen as [G * N, K] with ``rows_per_group`` = N
+(the experts), or one group of all rows. Scale layouts per recipe are in ``moegemm.fp8``.
+
+Kernels (each reads x once, except where a scale needs the whole row or group before the first cast):
+
+- ``fp8_quantize_tiles_kernel``: blockwise in one pass. Group-aligned [BLOCK_R, BLOCK_C] tiles give
+  the 1x128 row scales and the 128x1 column scales of the transposed copy (activations), or the
+  128x128 block scale (weights), from the same loaded tile; data and data_t are written from it.
+  Also the cast pass of tensorwise, whose per-group amax ``fp8_group_amax_kernel`` computed first:
+  current scaling needs the amax of the whole group before the first element is cast.
+- ``fp8_quantize_rows_kernel``: rowwise, one scale per row, in two sweeps over each row (amax,
+  then cast); the second sweep reads the rows its program just read, from L2.
+- ``fp8_quantize_cols_kernel``: rowwise transposed copy, one scale per (group, column), the same
+  two sweeps over a group's rows.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from moegemm.kernels.schedule import (
+    aligned_group_offsets,
+    group_row_bounds,
+    locate_row_tile,
+    pick,
+    row_tile_space,
+    uniform_row_bounds,
+)
+
+# Each group's columns in an activation's data_t start at a multiple of this (16 bytes of fp8), so the
+# wgrad kernel's loads along tokens are aligned; moegemm.fp8.transposed_columns sizes the storage.
+T_ALIGN = 16
+
+# SCALING of fp8_quantize_tiles_kernel.
+TENSOR, BLOCK_1X128, BLOCK_128X128 = 0, 1, 2
+
+
+@triton.jit
+def _scale(amax, FP8_MAX: tl.constexpr):
+    """The dequantization factor of a block with this amax; a block of zeros gets 1 (never 0 or inf)."""
+    return tl.where(amax > 0, amax / FP8_MAX, 1.0)
+
+
+@triton.jit
+def _cast(x, scale, FP8_MAX: tl.constexpr, dtype: tl.constexpr, EMULATE_CAST: tl.constexpr):
+    """Round-to-nearest-even cast of x / scale, clamped to the format's range (x / scale may round
+    just past FP8_MAX; float8_e4m3fn has no inf)."""
+    q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+    if EMULATE_CAST:
+        # The interpreter's float downcast rounds half up and drops the carry into the exponent
+        # (1.94 -> 1.0 in e4m3; triton/runtime/interpreter.py, _convert_float), so round to the FP8
+        # grid in fp32 first; the cast of a representable value is exact.
+        if FP8_MAX == 448.0:
+            q = _round_to_grid(q, 3, -6)  # float8_e4m3fn: 3 mantissa bits, min normal exponent -6
+        else:
+            q = _round_to_grid(q, 2, -14)  # float8_e5m2
+    return q.to(dtype)
+
+
+@triton.jit
+def _round_to_grid(v, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+    """v rounded to the nearest (ties to even) value with MANTISSA bits, subnormals below 2^MIN_EXP."""
+    exp = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    ulp = ((tl.maximum(exp, MIN_EXP) - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)
+    # Adding 1.5 * 2^23 leaves no fraction bits in fp32, so the add rounds |v / ulp| < 2^22 to an
+    # integer (ties to even); v / ulp and the product are exact (ulp is a power of two).
+    return ((v / ulp + 12582912.0) - 12582912.0) * ulp
+
+
+@triton.jit
+def _bounds(group_sizes_ptr, G, R, rows_per_group, BLOCK_G: tl.constexpr, HAS_SIZES: tl.constexpr):
+    if HAS_SIZES:
+        offs, starts, ends = group_row_bounds(group_sizes_ptr, G, R, BLOCK_G)
+        return offs.to(tl.int64), starts, ends
+    else:
+        return uniform_row_bounds(G, R, rows_per_group, BLOCK_G)
+
+
+@triton.jit
+def fp8_group_amax_kernel(
+    x_ptr,
+    group_sizes_ptr,
+    amax_ptr,  # [G] float32, zero-initialized; amax_ptr[g] = max |x[rows(g)]|
+    R,
+    C,
+    G,
+    rows_per_group,
+    stride_xr,
+    stride_xc,
+    NUM_PROGRAMS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HAS_SIZES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs, starts, ends = _bounds(group_sizes_ptr, G, R, rows_per_group, BLOCK_G, HAS_SIZES)
+    n_tiles = tl.cdiv(C, BLOCK_C)
+    starts, ends, m_tiles, tile_ends, total = row_tile_space(offs, starts, ends, G, R, n_tiles, BLOCK_R)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_c = tl.arange(0, BLOCK_C)
+    for tile in range(pid, total, NUM_PROGRAMS):
+        g, m_tile, n_tile, row0, row_end, _ = locate_row_tile(
+            tile, offs, starts, ends, m_tiles, tile_ends, n_tiles, BLOCK_R, 1
+        )
+        if g < G:  # the tail slot's rows belong to no group
+            col0 = n_tile * BLOCK_C
+            mask = (offs_r < row_end - row0)[:, None] & (offs_c < C - col0)[None, :]
+            base = x_ptr + row0 * stride_xr + col0.to(tl.int64) * stride_xc
+            x = tl.load(
+                base + offs_r[:, None] * stride_xr + offs_c[None, :] * stride_xc, mask=mask, other=0.0
+            )
+            # max is exact and order-free: the atomics leave a deterministic result.
+            tl.atomic_max(amax_ptr + g, tl.max(tl.max(tl.abs(x.to(tl.float32)), 1), 0))
+
+
+@triton.jit
+def fp8_quantize_tiles_kernel(
+    x_ptr,
+    group_sizes_ptr,
+    amax_ptr,  # TENSOR: the [G] group amax from fp8_group_amax_kernel
+    q_ptr,
+    s_ptr,
+    qt_ptr,
+    st_ptr,
+    R,
+    C,
+    G,
+    rows_per_group,
+    stride_xr,
+    stride_xc,
+    stride_qr,
+    stride_qc,
+    stride_tg,  # data_t of a weight: [G, C, N] (T_GROUP_LOCAL); activations: [C, >= R + 16 G], unused
+    stride_tc,
+    stride_tr,
+    stride_sg,  # TENSOR: scale[g]; BLOCK_128X128: scale[g, row block, col block]
+    stride_sr,  # BLOCK_1X128: scale[row, col block]
+    stride_sc,
+    stride_stb,  # BLOCK_1X128 transposed: scale_t[group-aligned row block, col]
+    stride_stc,
+    NUM_PROGRAMS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HAS_SIZES: tl.constexpr,
+    SCALING: tl.constexpr,
+    WRITE_T: tl.constexpr,
+    T_GROUP_LOCAL: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    EMULATE_CAST: tl.constexpr,  # interpreter only
+    WIDE_OFFSETS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs, starts, ends = _bounds(group_sizes_ptr, G, R, rows_per_group, BLOCK_G, HAS_SIZES)
+    t_units = aligned_group_offsets(offs, starts, ends, G, T_ALIGN)
+    n_tiles = tl.cdiv(C, BLOCK_C)
+    starts, ends, m_tiles, tile_ends, total = row_tile_space(offs, starts, ends, G, R, n_tiles, BLOCK_R)
+    dtype = q_ptr.dtype.element_ty
+    if SCALING == 0:
+        # Every group's scale, empty groups included (they have no tiles to write it).
+        if pid == 0:
+            amax = tl.load(amax_ptr + offs, mask=offs < G, other=0.0)
+            tl.store(s_ptr + offs * stride_sg, _scale(amax, FP8_MAX), mask=offs < G)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_c = tl.arange(0, BLOCK_C)
+    if WIDE_OFFSETS:
+        offs_r = offs_r.to(tl.int64)
+        offs_c = offs_c.to(tl.int64)
+    for tile in range(pid, total, NUM_PROGRAMS):
+        g, m_tile, n_tile, row0, row_end, block_base = locate_row_tile(
+            tile, offs, starts, ends, m_tiles, tile_ends, n_tiles, BLOCK_R, 1
+        )
+        col0 = (n_tile * BLOCK_C).to(tl.int64)
+        rows = row_end - row0
+        col_mask = offs_c < C - col0
+        mask = (offs_r < rows)[:, None] & col_mask[None, :]
+        # The tail slot (g == G) reads nothing and writes zeros: rows past the last group are 0.
+        load_rows = tl.where(g < G, rows, 0)
+        x = tl.load(
+            x_ptr
+            + row0 * stride_xr
+            + col0 * stride_xc
+            + offs_r[:, None] * stride_xr
+            + offs_c[None, :] * stride_xc,
+            mask=(offs_r < load_rows)[:, None] & col_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        if SCALING == 0:
+            scale = _scale(tl.load(amax_ptr + tl.minimum(g, G - 1), mask=g < G, other=0.0), FP8_MAX)
+            q = _cast(x, scale, FP8_MAX, dtype, EMULATE_CAST)
+            qt = q
+        elif SCALING == 1:
+            row_scale = _scale(tl.max(tl.abs(x), 1), FP8_MAX)  # [BLOCK_R]: 1x128 along C
+            q = _cast(x, row_scale[:, None], FP8_MAX, dtype, EMULATE_CAST)
+            s_ptrs = s_ptr + (row0 + offs_r) * stride_sr + n_tile.to(tl.int64) * stride_sc
+            tl.store(s_ptrs, row_scale, mask=offs_r < rows)
+            if WRITE_T:
+                col_scale = _scale(tl.max(tl.abs(x), 0), FP8_MAX)  # [BLOCK_C]: 128x1 along R
+                qt = _cast(x, col_scale[None, :], FP8_MAX, dtype, EMULATE_CAST)
+                st_ptrs = (
+                    st_ptr + (block_base + m_tile).to(tl.int64) * stride_stb + (col0 + offs_c) * stride_stc
+                )
+                tl.store(st_ptrs, col_scale, mask=col_mask & (g < G))
+        else:
+            scale = _scale(tl.max(tl.max(tl.abs(x), 1), 0), FP8_MAX)  # one per 128x128 block
+            q = _cast(x, scale, FP8_MAX, dtype, EMULATE_CAST)
+            qt = q
+            s_off = (
+                g.to(tl.int64) * stride_sg + m_tile.to(tl.int64) * stride_sr + n_tile.to(tl.int64) * stride_sc
+            )
+            tl.store(s_ptr + s_off, scale, mask=g < G)
+        q_ptrs = (
+            q_ptr
+            + row0 * stride_qr
+            + col0 * stride_qc
+            + offs_r[:, None] * stride_qr
+            + offs_c[None, :] * stride_qc
+        )
+        tl.store(q_ptrs, q, mask=mask)
+        if WRITE_T:
+            # Group g's rows go to its own columns of data_t (group-local for a weight, from a
+            # T_ALIGN-aligned offset for activations); rows past the last group have no columns there.
+            t_col0 = (m_tile * BLOCK_R).to(tl.int64)
+            if T_GROUP_LOCAL:
+                t_base = qt_ptr + g.to(tl.int64) * stride_tg
+            else:
+                t_base = qt_ptr
+                t_col0 += pick(t_units, offs, g) * T_ALIGN
+            t_ptrs = t_base + (t_col0 + offs_r[None, :]) * stride_tr + (col0 + offs_c[:, None]) * stride_tc
+            tl.store(t_ptrs, tl.trans(qt), mask=tl.trans(mask) & (g < G))
+
+
+@triton.jit
+def fp8_quantize_rows_kernel(
+    x_ptr,
+    group_sizes_ptr,
+    q_ptr,
+    s_ptr,  # [R]: one scale per row
+    R,
+    C,
+    G,
+    stride_xr,
+    stride_xc,
+    stride_qr,
+    stride_qc,
+    stride_s,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HAS_SIZES: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    EMULATE_CAST: tl.constexpr,  # interpreter only
+):
+    pid = tl.program_id(0)
+    owned = R
+    if HAS_SIZES:
+        offs, starts, ends = group_row_bounds(group_sizes_ptr, G, R, BLOCK_G)
+        owned = tl.max(tl.where(offs < G, ends, 0), 0)
+    rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < R
+    load_mask = rows < owned  # rows past the last group quantize to 0 (scale 1)
+    offs_c = tl.arange(0, BLOCK_C)
+    x_base = x_ptr + rows[:, None] * stride_xr
+    amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for c in range(0, C, BLOCK_C):
+        mask = load_mask[:, None] & (offs_c < C - c)[None, :]
+        x = tl.load(x_base + (c + offs_c)[None, :] * stride_xc, mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), 1))
+    scale = _scale(amax, FP8_MAX)
+    tl.store(s_ptr + rows * stride_s, scale, mask=row_mask)
+    q_base = q_ptr + rows[:, None] * stride_qr
+    for c in range(0, C, BLOCK_C):
+        col_mask = (offs_c < C - c)[None, :]
+        x = tl.load(x_base + (c + offs_c)[None, :] * stride_xc, mask=load_mask[:, None] & col_mask, other=0.0)
+        q = _cast(x.to(tl.float32), scale[:, None], FP8_MAX, q_ptr.dtype.element_ty, EMULATE_CAST)
+        tl.store(q_base + (c + offs_c)[None, :] * stride_qc, q, mask=row_mask[:, None] & col_mask)
+
+
+@triton.jit
+def fp8_quantize_cols_kernel(
+    x_ptr,
+    group_sizes_ptr,
+    qt_ptr,
+    st_ptr,  # [G, C]: one scale per (group, column)
+    R,
+    C,
+    G,
+    rows_per_group,
+    stride_xr,
+    stride_xc,
+    stride_tg,
+    stride_tc,
+    stride_tr,
+    stride_stg,
+    stride_stc,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HAS_SIZES: tl.constexpr,
+    T_GROUP_LOCAL: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    EMULATE_CAST: tl.constexpr,  # interpreter only
+):
+    # One program per (group, column tile).
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(C, BLOCK_C)
+    g = pid // n_tiles
+    col0 = (pid % n_tiles).to(tl.int64) * BLOCK_C
+    offs, starts, ends = _bounds(group_sizes_ptr, G, R, rows_per_group, BLOCK_G, HAS_SIZES)
+    start = pick(starts, offs, g)
+    end = pick(ends, offs, g)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_c = tl.arange(0, BLOCK_C)
+    col_mask = offs_c < C - col0
+    x_base = x_ptr + col0 * stride_xc + offs_c[None, :] * stride_xc
+    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for r in range(start, end, BLOCK_R):
+        mask = (offs_r < end - r)[:, None] & col_mask[None, :]
+        x = tl.load(x_base + (r + offs_r)[:, None] * stride_xr, mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), 0))
+    scale = _scale(amax, FP8_MAX)
+    tl.store(st_ptr + g.to(tl.int64) * stride_stg + (col0 + offs_c) * stride_stc, scale, mask=col_mask)
+    if T_GROUP_LOCAL:
+        t_base = qt_ptr + g.to(tl.int64) * stride_tg
+    else:
+        t_base = (
+            qt_ptr
+            + pick(aligned_group_offsets(offs, starts, ends, G, T_ALIGN), offs, g) * T_ALIGN * stride_tr
+        )
+    t_base += (col0 + offs_c[:, None]) * stride_tc
+    for r in range(start, end, BLOCK_R):
+        rows_left = offs_r < end - r
+        x = tl.load(
+            x_base + (r + offs_r)[:, None] * stride_xr, mask=rows_left[:, None] & col_mask[None, :], other=0.0
+        )
+        qt = _cast(x.to(tl.float32), scale[None, :], FP8_MAX, qt_ptr.dtype.element_ty, EMULATE_CAST)
+        tl.store(
+            t_base + (r - start + offs_r)[None, :] * stride_tr,
+            tl.trans(qt),
+            mask=col_mask[:, None] & rows_left[None, :],
+        )

@@ -1,0 +1,279 @@
+"""FP8 kernel launches from PyTorch tensors (quantize, scaled m- and k-grouped GEMMs).
+
+Inputs are validated by ``moegemm.torch.fp8``; outputs are allocated there. Launch descriptions are
+memoized on static facts, and launches go through ``DirectLaunch`` like the BF16 kernels'.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from moegemm import configs, fp8
+from moegemm.kernels import quantize_fp8 as qk
+from moegemm.kernels.k_grouped_fp8 import KGroupedFp8Launch, k_grouped_mm_fp8_kernel
+from moegemm.kernels.m_grouped_fp8 import MGroupedFp8Launch, m_grouped_mm_fp8_kernel
+from moegemm.torch._launch import INTERPRET, DirectLaunch, _dtype_name, _target
+
+M_GROUPED_FP8 = DirectLaunch(m_grouped_mm_fp8_kernel)
+K_GROUPED_FP8 = DirectLaunch(k_grouped_mm_fp8_kernel)
+GROUP_AMAX = DirectLaunch(qk.fp8_group_amax_kernel)
+QUANTIZE_TILES = DirectLaunch(qk.fp8_quantize_tiles_kernel)
+QUANTIZE_ROWS = DirectLaunch(qk.fp8_quantize_rows_kernel)
+QUANTIZE_COLS = DirectLaunch(qk.fp8_quantize_cols_kernel)
+LAUNCHES = (M_GROUPED_FP8, K_GROUPED_FP8, GROUP_AMAX, QUANTIZE_TILES, QUANTIZE_ROWS, QUANTIZE_COLS)
+
+
+def clear_launch_cache() -> None:
+    _m_launch.cache_clear()
+    _k_launch.cache_clear()
+    _quantize_config.cache_clear()
+    for launch in LAUNCHES:
+        launch.clear()
+
+
+@functools.lru_cache(maxsize=4096)
+def _m_launch(M, N, K, G, recipe, dtype, device, max_stride, has_bias, fast_accum) -> MGroupedFp8Launch:
+    target, device_name, programs = _target(device)
+    config = configs.pick_config(
+        "m_grouped_fp8",
+        target,
+        device_name=device_name,
+        dtype=f"{recipe}-{_dtype_name(dtype)}",
+        G=G,
+        N=N,
+        K=K,
+        M=M,
+    )
+    return MGroupedFp8Launch.make(
+        M,
+        N,
+        K,
+        G,
+        recipe=recipe,
+        config=config,
+        num_programs_cap=programs,
+        interpret=target == "interpret",
+        max_stride=max_stride,
+        has_bias=has_bias,
+        fast_accum=fast_accum,
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _k_launch(M, N, K, G, recipe, dtype, device, max_stride, accumulate, fast_accum) -> KGroupedFp8Launch:
+    target, device_name, programs = _target(device)
+    config = configs.pick_config(
+        "k_grouped_fp8",
+        target,
+        device_name=device_name,
+        dtype=f"{recipe}-{_dtype_name(dtype)}",
+        G=G,
+        N=N,
+        K=K,
+        M=M,
+    )
+    return KGroupedFp8Launch.make(
+        M,
+        N,
+        K,
+        G,
+        recipe=recipe,
+        config=config,
+        num_programs_cap=programs,
+        interpret=target == "interpret",
+        max_stride=max_stride,
+        accumulate=accumulate,
+        fast_accum=fast_accum,
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _quantize_config(device: torch.device) -> tuple[configs.QuantizeConfig, int]:
+    target, _, programs = _target(device)
+    return configs.pick_config("quantize_fp8", target), programs
+
+
+def launch_m_grouped_fp8(x, sx, w, sw, group_sizes, out, bias, recipe: str, fast_accum: bool) -> None:
+    """out [M, N] = for g: (x * sx)[rows(g)] @ ((w * sw)[g])^T (+ bias[g]); x [M, K], w [G, N, K] fp8."""
+    M, K = x.shape
+    G, N, _ = w.shape
+    if M == 0 or N == 0:
+        return
+    sb = (0, 0) if bias is None else bias.stride()
+    strides = (*x.stride(), *w.stride(), *out.stride(), *sb)
+    spec = (M, N, K, G, recipe, x.dtype, x.device, max(map(abs, strides)), bias is not None, fast_accum)
+    M_GROUPED_FP8.launch(
+        spec,
+        (x, w, sx, sw, group_sizes, sx if bias is None else bias, out),
+        (M, N, K, G, *strides, *_m_scale_strides(recipe, sx, sw)),
+        lambda: _m_launch(*spec),
+    )
+
+
+def launch_k_grouped_fp8(
+    M: int, a_t, sa, b_t, sb, group_sizes, out, accumulate: bool, recipe: str, fast_accum: bool
+) -> None:
+    """out [G, Ka, Nb] (+)= for g: (a * sa)[rows(g)]^T @ (b * sb)[rows(g)], from the transposed copies
+    a_t [Ka, M_t], b_t [Nb, M_t] (``moegemm.fp8`` layout) of activations with M rows."""
+    G, K, N = out.shape
+    if G == 0 or K == 0 or N == 0:
+        return
+    strides = (*a_t.stride(), *b_t.stride(), *out.stride())
+    spec = (M, N, K, G, recipe, a_t.dtype, a_t.device, max(map(abs, strides)), accumulate, fast_accum)
+    K_GROUPED_FP8.launch(
+        spec,
+        (a_t, b_t, sa, sb, group_sizes, out, out),
+        (M, N, K, G, *strides, *_k_scale_strides(sa), *_k_scale_strides(sb)),
+        lambda: _k_launch(*spec),
+    )
+
+
+def _m_scale_strides(recipe: str, sx: torch.Tensor, sw: torch.Tensor) -> tuple[int, ...]:
+    """(sx: group, row, k-block; sw: group, n, k-block) strides; a single tensorwise scale broadcasts."""
+    if recipe == "tensorwise":
+        return (sx.stride(0) if sx.numel() > 1 else 0, 0, 0, sw.stride(0), 0, 0)
+    if recipe == "rowwise":
+        return (0, sx.stride(0), 0, *sw.stride(), 0)
+    return (0, *sx.stride(), *sw.stride())
+
+
+def _k_scale_strides(s: torch.Tensor) -> tuple[int, int]:
+    """(group or token block, column) strides of a wgrad operand's scale_t ([G], [G, K] or [blocks, K])."""
+    return s.stride(0), (s.stride(1) if s.dim() > 1 else 0)
+
+
+def launch_quantize_fp8(
+    x: torch.Tensor,
+    group_sizes: torch.Tensor | None,
+    recipe: str,
+    q: torch.Tensor,
+    s: torch.Tensor,
+    qt: torch.Tensor | None,
+    st: torch.Tensor | None,
+    *,
+    rows_per_group: int,
+    G: int,
+) -> None:
+    """Quantizes the rows of x [R, C] (a weight passes [G * N, K] with rows_per_group = N and no
+    group_sizes) into q [R, C] and s, and, when qt is given, the transposed copy qt and st. Layouts
+    are ``moegemm.fp8``'s; a weight's qt is [G, C, N] (group-local), an activation's [C, M_t]."""
+    R, C = x.shape
+    if R == 0 or C == 0 or G == 0:
+        return
+    config, programs = _quantize_config(x.device)
+    fp8_max = fp8.FP8_MAX[_dtype_name(q.dtype)]
+    has_sizes = group_sizes is not None
+    sizes = group_sizes if has_sizes else s  # an unread pointer when the groups are uniform
+    bg = max(16, triton.next_power_of_2(G + 1))
+    if recipe == "rowwise":
+        rows = config.sweep_rows
+        QUANTIZE_ROWS.launch(
+            ("rows", x.device, R, C, G, has_sizes, fp8_max),
+            (x, sizes, q, s),
+            (R, C, G, *x.stride(), *q.stride(), s.stride(-1)),
+            lambda: _Grid(
+                (triton.cdiv(R, rows),),
+                dict(
+                    BLOCK_R=rows,
+                    BLOCK_C=config.sweep_cols,
+                    BLOCK_G=bg,
+                    HAS_SIZES=has_sizes,
+                    FP8_MAX=fp8_max,
+                    EMULATE_CAST=INTERPRET,
+                    num_warps=config.num_warps,
+                ),
+            ),
+        )
+        if qt is not None:
+            t_strides = (qt.stride(0), qt.stride(1), qt.stride(2)) if qt.dim() == 3 else (0, *qt.stride())
+            QUANTIZE_COLS.launch(
+                ("cols", x.device, R, C, G, has_sizes, qt.dim(), fp8_max),
+                (x, sizes, qt, st),
+                (R, C, G, rows_per_group, *x.stride(), *t_strides, *st.stride()),
+                lambda: _Grid(
+                    (G * triton.cdiv(C, config.col_block),),
+                    dict(
+                        BLOCK_R=config.col_rows,
+                        BLOCK_C=config.col_block,
+                        BLOCK_G=bg,
+                        HAS_SIZES=has_sizes,
+                        T_GROUP_LOCAL=qt.dim() == 3,
+                        FP8_MAX=fp8_max,
+                        EMULATE_CAST=INTERPRET,
+                        num_warps=4,
+                    ),
+                ),
+            )
+        return
+    if recipe == "blockwise":
+        block_r = block_c = fp8.SCALE_BLOCK
+        scaling = qk.BLOCK_128X128 if s.dim() == 3 else qk.BLOCK_1X128
+    else:
+        block_r, block_c, scaling = config.block_r, config.block_c, qk.TENSOR
+        amax = torch.zeros(G, dtype=torch.float32, device=x.device)
+        tiles = (triton.cdiv(R, block_r) + G + 1) * triton.cdiv(C, block_c)
+        n_prog = max(1, min(tiles, programs * config.ctas_per_sm))
+        GROUP_AMAX.launch(
+            ("amax", x.device, R, C, G, has_sizes, block_r, block_c),
+            (x, sizes, amax),
+            (R, C, G, rows_per_group, *x.stride()),
+            lambda: _Grid(
+                (n_prog,),
+                dict(
+                    NUM_PROGRAMS=n_prog,
+                    BLOCK_R=block_r,
+                    BLOCK_C=block_c,
+                    BLOCK_G=bg,
+                    HAS_SIZES=has_sizes,
+                    num_warps=config.num_warps,
+                ),
+            ),
+        )
+    tiles = (triton.cdiv(R, block_r) + G + 1) * triton.cdiv(C, block_c)
+    n_prog = max(1, min(tiles, programs * config.ctas_per_sm))
+    write_t = qt is not None
+    t_local = write_t and qt.dim() == 3
+    if not write_t:
+        qt, st = q, s
+    t_strides = (qt.stride(0), qt.stride(1), qt.stride(2)) if t_local else (0, *qt.stride()[-2:])
+    # Scale strides by mode: TENSOR s[g]; BLOCK_1X128 s[row, kb] and st[blk, col]; BLOCK_128X128 s[g, nb, kb].
+    if scaling == qk.TENSOR:
+        s_strides, st_strides = (s.stride(0), 0, 0), (0, 0)
+    elif scaling == qk.BLOCK_1X128:
+        s_strides, st_strides = (0, *s.stride()), st.stride() if write_t else (0, 0)
+    else:
+        s_strides, st_strides = s.stride(), (0, 0)
+    max_stride = max(map(abs, (*x.stride(), *q.stride(), *t_strides)))
+    wide = 2 * max(block_r, block_c) * max_stride >= 2**31 or x.numel() >= 2**31
+    QUANTIZE_TILES.launch(
+        ("tiles", x.device, R, C, G, has_sizes, scaling, write_t, t_local, fp8_max, wide, block_r),
+        (x, sizes, amax if scaling == qk.TENSOR else s, q, s, qt, st),
+        (R, C, G, rows_per_group, *x.stride(), *q.stride(), *t_strides, *s_strides, *st_strides),
+        lambda: _Grid(
+            (n_prog,),
+            dict(
+                NUM_PROGRAMS=n_prog,
+                BLOCK_R=block_r,
+                BLOCK_C=block_c,
+                BLOCK_G=bg,
+                HAS_SIZES=has_sizes,
+                SCALING=scaling,
+                WRITE_T=write_t,
+                T_GROUP_LOCAL=t_local,
+                FP8_MAX=fp8_max,
+                EMULATE_CAST=INTERPRET,
+                WIDE_OFFSETS=wide,
+                num_warps=config.num_warps,
+            ),
+        ),
+    )
+
+
+class _Grid:
+    """A launch description (grid, meta) for DirectLaunch.describe."""
+
+    def __init__(self, grid: tuple[int, ...], meta: dict) -> None:
+        self.grid, self.meta = grid, meta

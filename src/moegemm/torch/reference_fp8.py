@@ -1,0 +1,241 @@
+"""Plain PyTorch twins of the FP8 kernels (quantize and the scaled grouped GEMMs), and dequantization.
+
+The quantize twin reproduces the kernels bit for bit (the same fp32 amax, division and round-to-
+nearest-even cast); the GEMM twins multiply the dequantized operands in fp32 (fp64 for the exact
+check). Dequantization runs without a host sync (searchsorted over the group ends), so
+``Fp8Tensor.dequantize`` uses it on any device; the quantize and GEMM twins sync, like the BF16 ones.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moegemm import fp8
+from moegemm.torch.reference import group_bounds
+
+
+def _fp8_max(dtype: torch.dtype) -> float:
+    return fp8.FP8_MAX[str(dtype).removeprefix("torch.")]
+
+
+def scale_of(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """amax / FP8_MAX in fp32; 1 where amax is 0 (the kernels' rule)."""
+    amax = amax.float()
+    return torch.where(amax > 0, amax / _fp8_max(dtype), torch.ones_like(amax))
+
+
+def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    m = _fp8_max(dtype)
+    return (x.float() / scale).clamp(-m, m).to(dtype)
+
+
+# ---------------------------------------------------------------- group geometry (no host sync)
+
+
+def row_groups(group_sizes: torch.Tensor | None, M: int, device) -> tuple[torch.Tensor, ...]:
+    """(group index of each row (G for rows past the last group), starts [G], ends [G]) as the kernels
+    clamp them, computed on the device."""
+    if group_sizes is None:
+        rows = torch.zeros(M, dtype=torch.int64, device=device)
+        return rows, torch.zeros(1, dtype=torch.int64, device=device), torch.full((1,), M, device=device)
+    sizes = group_sizes.to(torch.int64).clamp(0, M)
+    ends_unclamped = sizes.cumsum(0)
+    starts = (ends_unclamped - sizes).clamp(max=M)
+    ends = ends_unclamped.clamp(max=M)
+    rows = torch.searchsorted(ends, torch.arange(M, device=device), right=True)
+    return rows, starts, ends
+
+
+def transposed_columns_of_rows(
+    group_sizes, M: int, device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(column of each row in data_t (0 for unowned rows), the row's group, its 128-row block index)."""
+    rows, starts, ends = row_groups(group_sizes, M, device)
+    sizes = ends - starts
+    units = -(-sizes // fp8.ROW_ALIGN)
+    t_start = (units.cumsum(0) - units) * fp8.ROW_ALIGN
+    blocks = -(-sizes // fp8.SCALE_BLOCK)
+    block_base = blocks.cumsum(0) - blocks
+    owned = rows < sizes.shape[0]
+    g = rows.clamp(max=sizes.shape[0] - 1)
+    local = torch.arange(M, device=device) - starts[g]
+    cols = torch.where(owned, t_start[g] + local, 0)
+    return cols, torch.where(owned, rows, sizes.shape[0]), block_base[g] + local // fp8.SCALE_BLOCK
+
+
+def _blocks(scale: torch.Tensor, dims: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+    for dim, size in zip(dims, sizes):
+        scale = scale.repeat_interleave(fp8.SCALE_BLOCK, dim).narrow(dim, 0, size)
+    return scale
+
+
+# ---------------------------------------------------------------- dequantization
+
+
+def dequantize_activation(data, scale, recipe, group_sizes, *, dtype=torch.float32) -> torch.Tensor:
+    """data [M, K] -> data * scale; rows past the last group are 0."""
+    M, K = data.shape
+    x = data.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    rows, _, _ = row_groups(group_sizes, M, data.device)
+    G = 1 if group_sizes is None else group_sizes.shape[0]
+    s = scale.to(x.dtype)
+    if recipe == "tensorwise":
+        s = s.expand(G)[rows.clamp(max=G - 1)][:, None]
+    elif recipe == "rowwise":
+        s = s[:, None]
+    else:
+        s = _blocks(s, (1,), (K,))
+    return torch.where((rows < G)[:, None], x * s, 0).to(dtype)
+
+
+def dequantize_activation_t(
+    data_t, scale_t, recipe, group_sizes, M: int, *, dtype=torch.float32
+) -> torch.Tensor:
+    """The transposed copy data_t [K, M_t] back in x's [M, K] layout; rows past the last group are 0."""
+    cols, g, block = transposed_columns_of_rows(group_sizes, M, data_t.device)
+    G = 1 if group_sizes is None else group_sizes.shape[0]
+    x = data_t.to(torch.float64 if dtype == torch.float64 else torch.float32)[:, cols].T
+    s = scale_t.to(x.dtype)
+    if recipe == "tensorwise":
+        s = s.expand(G)[g.clamp(max=G - 1)][:, None]
+    elif recipe == "rowwise":
+        s = s[g.clamp(max=G - 1)]
+    else:
+        s = s[block.clamp(0, s.shape[0] - 1)]
+    return torch.where((g < G)[:, None], x * s, 0).to(dtype)
+
+
+def dequantize_weight(data, scale, recipe, *, dtype=torch.float32) -> torch.Tensor:
+    """data [G, N, K] -> data * scale."""
+    G, N, K = data.shape
+    x = data.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    s = scale.to(x.dtype)
+    if recipe == "tensorwise":
+        return (x * s[:, None, None]).to(dtype)
+    if recipe == "rowwise":
+        return (x * s[:, :, None]).to(dtype)
+    return (x * _blocks(s, (1, 2), (N, K))).to(dtype)
+
+
+# ---------------------------------------------------------------- quantize twins
+
+
+def quantize_activation(x, group_sizes, recipe, dtype, transpose: bool):
+    """(data, scale, data_t, scale_t) of activations x [M, K] (``moegemm.fp8`` layouts); data_t and
+    scale_t are None without ``transpose``."""
+    M, K = x.shape
+    G = 1 if group_sizes is None else group_sizes.shape[0]
+    bounds = [(0, M)] if group_sizes is None else group_bounds(group_sizes, M)
+    owned = max([end for _, end in bounds], default=0)
+    xf = x.float()
+    data = torch.zeros(M, K, dtype=dtype, device=x.device)
+    s_shape, st_shape = fp8.activation_scale_shapes(recipe, M, K, G)
+    data_t = torch.zeros(K, fp8.transposed_columns(M, G), dtype=dtype, device=x.device) if transpose else None
+    t_cols = []
+    col = 0
+    for start, end in bounds:
+        t_cols.append(col)
+        col += fp8.cdiv(end - start, fp8.ROW_ALIGN) * fp8.ROW_ALIGN
+    if recipe == "tensorwise":
+        scale = scale_of(
+            torch.stack([xf[s:e].abs().amax() if e > s else xf.new_zeros(()) for s, e in bounds]), dtype
+        )
+        for g, (start, end) in enumerate(bounds):
+            data[start:end] = cast(xf[start:end], scale[g], dtype)
+            if transpose:
+                data_t[:, t_cols[g] : t_cols[g] + end - start] = data[start:end].T
+        return data, scale, data_t, (scale if transpose else None)
+    if recipe == "rowwise":
+        scale = torch.ones(M, device=x.device)
+        scale[:owned] = scale_of(xf[:owned].abs().amax(1) if K else xf.new_zeros(owned), dtype)
+        data[:owned] = cast(xf[:owned], scale[:owned, None], dtype)
+        if not transpose:
+            return data, scale, None, None
+        scale_t = torch.ones(st_shape, device=x.device)
+        for g, (start, end) in enumerate(bounds):
+            if end > start:
+                scale_t[g] = scale_of(xf[start:end].abs().amax(0), dtype)
+                data_t[:, t_cols[g] : t_cols[g] + end - start] = cast(xf[start:end], scale_t[g], dtype).T
+        return data, scale, data_t, scale_t
+    kb = fp8.cdiv(K, fp8.SCALE_BLOCK)
+    scale = torch.ones(s_shape, device=x.device)
+    for b in range(kb):
+        cols = slice(b * fp8.SCALE_BLOCK, min(K, (b + 1) * fp8.SCALE_BLOCK))
+        scale[:owned, b] = scale_of(xf[:owned, cols].abs().amax(1), dtype)
+        data[:owned, cols] = cast(xf[:owned, cols], scale[:owned, b, None], dtype)
+    if not transpose:
+        return data, scale, None, None
+    scale_t = torch.ones(st_shape, device=x.device)
+    block = 0
+    for g, (start, end) in enumerate(bounds):
+        for r in range(start, end, fp8.SCALE_BLOCK):
+            rows = slice(r, min(end, r + fp8.SCALE_BLOCK))
+            scale_t[block] = scale_of(xf[rows].abs().amax(0), dtype)
+            local = r - start + t_cols[g]
+            data_t[:, local : local + rows.stop - r] = cast(xf[rows], scale_t[block], dtype).T
+            block += 1
+    return data, scale, data_t, scale_t
+
+
+def quantize_weight(w, recipe, dtype, transpose: bool):
+    """(data [G, N, K], scale, data_t [G, K, N] or None, scale_t or None) of a weight (``moegemm.fp8``)."""
+    G, N, K = w.shape
+    wf = w.float()
+    if recipe == "tensorwise":
+        scale = scale_of(wf.abs().amax((1, 2)) if N * K else wf.new_zeros(G), dtype)
+        data = cast(wf, scale[:, None, None], dtype)
+        return data, scale, (data.mT.contiguous() if transpose else None), (scale if transpose else None)
+    if recipe == "rowwise":
+        scale = scale_of(wf.abs().amax(2) if K else wf.new_zeros(G, N), dtype)
+        data = cast(wf, scale[:, :, None], dtype)
+        if not transpose:
+            return data, scale, None, None
+        scale_t = scale_of(wf.abs().amax(1) if N else wf.new_zeros(G, K), dtype)
+        return data, scale, cast(wf, scale_t[:, None, :], dtype).mT.contiguous(), scale_t
+    nb, kb = fp8.cdiv(N, fp8.SCALE_BLOCK), fp8.cdiv(K, fp8.SCALE_BLOCK)
+    padded = wf.new_zeros(G, nb * fp8.SCALE_BLOCK, kb * fp8.SCALE_BLOCK)
+    padded[:, :N, :K] = wf
+    blocks = padded.view(G, nb, fp8.SCALE_BLOCK, kb, fp8.SCALE_BLOCK)
+    scale = scale_of(blocks.abs().amax((2, 4)), dtype)
+    data = cast(wf, _blocks(scale, (1, 2), (N, K)), dtype)
+    if not transpose:
+        return data, scale, None, None
+    return data, scale, data.mT.contiguous(), scale.transpose(1, 2)
+
+
+# ---------------------------------------------------------------- GEMM twins
+
+
+def m_grouped_mm_fp8_reference(x, sx, w, sw, group_sizes, bias, recipe, out_dtype, x_group_sizes=None):
+    """(x * sx)[rows(g)] @ ((w * sw)[g])^T (+ bias[g]), x [M, K], w [G, N, K]; x_group_sizes are the
+    sizes x was quantized with (tensorwise scales are per group: they default to group_sizes)."""
+    scale_groups = group_sizes if x_group_sizes is None and sx.numel() > 1 else x_group_sizes
+    xd = dequantize_activation(x, sx, recipe, scale_groups)
+    wd = dequantize_weight(w, sw, recipe)
+    out = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device)
+    for g, (start, end) in enumerate(group_bounds(group_sizes, x.shape[0])):
+        if end > start:
+            out[start:end] = xd[start:end] @ wd[g].T
+            if bias is not None:
+                out[start:end] += bias[g].float()
+    return out.to(out_dtype)
+
+
+def k_grouped_mm_fp8_reference(
+    M, a_t, sa, b_t, sb, group_sizes, recipe, *, out=None, accumulate=False, out_dtype=torch.float32
+):
+    """out[g] (+)= (a * sa)[rows(g)]^T @ (b * sb)[rows(g)] from the transposed copies (``moegemm.fp8``)."""
+    ad = dequantize_activation_t(a_t, sa, recipe, group_sizes, M)
+    bd = dequantize_activation_t(b_t, sb, recipe, group_sizes, M)
+    bounds = group_bounds(group_sizes, M)
+    result = torch.zeros(len(bounds), a_t.shape[0], b_t.shape[0], dtype=torch.float32, device=a_t.device)
+    for g, (start, end) in enumerate(bounds):
+        result[g] = ad[start:end].T @ bd[start:end]
+    if out is None:
+        return result.to(out_dtype)
+    for g, (start, end) in enumerate(bounds):
+        if not accumulate:
+            out[g] = result[g]
+        elif end > start:
+            out[g] = out[g].float() + result[g]
+    return out
