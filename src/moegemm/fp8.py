@@ -8,8 +8,9 @@ copy ``data_t`` with its own ``scale_t`` for the GEMM that contracts over the ot
 Activations x [M, K], rows split into G groups by ``group_sizes`` (G = 1 without them); rows past
 sum(group_sizes) quantize to 0. ``data`` [M, K] feeds fprop/dgrad. ``data_t`` [K, M_t] feeds the
 wgrad: group g's rows are its columns [t_g, t_g + rows_g), where t_g = 16 * sum_{h<g} cdiv(rows_h, 16),
-so each group starts 16-byte aligned (the wgrad's loads run along tokens); M_t = transposed_columns(M, G).
-Columns between groups and rows past the last group are not part of data_t's contents.
+so each group starts 16-byte aligned (the wgrad's loads run along tokens), and the columns up to the
+next multiple of 16 after a group are 0 (the wgrad reads them: 16-wide loads); M_t = transposed_columns(M, G).
+Rows past the last group have no columns in data_t.
 
 ==========  =========================  ==============================================================
 recipe      scale                      scale_t

@@ -2,7 +2,8 @@
 
 The operands come as the quantize kernels' transposed copies, contiguous along tokens (the
 contraction, which Hopper's FP8 wgmma wants K-major): a_t [Ka, M_t] and b_t [Nb, M_t], group g's
-tokens in columns [t_g, t_g + rows_g) with t_g = 16 * sum_{h<g} cdiv(rows_h, 16) (``moegemm.fp8``).
+tokens in columns [t_g, t_g + rows_g) with t_g = 16 * sum_{h<g} cdiv(rows_h, 16), and zeros up to the
+next multiple of 16 (``moegemm.fp8``).
 out [G, Ka, Nb] (fp32, or bf16/fp16 without accumulate). For the weight gradient of y = x @ w^T:
 a = dy, b = x, out = dW in the [G, N, K] layout of the weight.
 
@@ -22,7 +23,9 @@ import triton.language as tl
 from moegemm.kernels.m_grouped_fp8 import SCALINGS
 from moegemm.kernels.schedule import aligned_group_offsets, group_row_bounds, pick, swizzle_tile
 
-T_ALIGN = 16  # must match moegemm.kernels.quantize_fp8.T_ALIGN (the layout both kernels agree on)
+T_ALIGN = tl.constexpr(
+    16
+)  # must match moegemm.kernels.quantize_fp8.T_ALIGN (the layout both kernels agree on)
 
 
 @triton.jit
@@ -95,8 +98,12 @@ def k_grouped_mm_fp8_kernel(
             sa_base = sa_ptr + (k0 + offs_k) * stride_sak
             sb_base = sb_ptr + (n0 + offs_n) * stride_sbn
         acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        # The mask runs to the group's 16-aligned end: the quantize kernels zero the padding columns,
+        # and a mask constant over 16 tokens keeps the loads 16-byte wide, which cp.async pipelining
+        # needs (a per-token mask along the contiguous dimension gave 1-byte loads and no pipeline).
+        rows16 = tl.cdiv(rows, T_ALIGN) * T_ALIGN
         for r in range(0, rows, BLOCK_R):
-            r_mask = offs_r < rows - r
+            r_mask = offs_r < rows16 - r
             a = tl.load(a_base + (a_offs + r * stride_ar), mask=k_mask[:, None] & r_mask[None, :], other=0.0)
             b = tl.load(b_base + (b_offs + r * stride_br), mask=n_mask[:, None] & r_mask[None, :], other=0.0)
             b = tl.trans(b)  # [BLOCK_R, BLOCK_N], token-major in shared memory

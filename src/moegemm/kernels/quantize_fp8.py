@@ -33,7 +33,7 @@ from moegemm.kernels.schedule import (
 
 # Each group's columns in an activation's data_t start at a multiple of this (16 bytes of fp8), so the
 # wgrad kernel's loads along tokens are aligned; moegemm.fp8.transposed_columns sizes the storage.
-T_ALIGN = 16
+T_ALIGN = tl.constexpr(16)
 
 # SCALING of fp8_quantize_tiles_kernel.
 TENSOR, BLOCK_1X128, BLOCK_128X128 = 0, 1, 2
@@ -232,7 +232,10 @@ def fp8_quantize_tiles_kernel(
                 t_base = qt_ptr
                 t_col0 += pick(t_units, offs, g) * T_ALIGN
             t_ptrs = t_base + (t_col0 + offs_r[None, :]) * stride_tr + (col0 + offs_c[:, None]) * stride_tc
-            tl.store(t_ptrs, tl.trans(qt), mask=tl.trans(mask) & (g < G))
+            # Through the group's 16-aligned end: the padding columns get zeros (x was loaded as 0
+            # past the group), which the wgrad kernel's 16-wide loads read.
+            t_rows = tl.cdiv(rows, T_ALIGN) * T_ALIGN
+            tl.store(t_ptrs, tl.trans(qt), mask=col_mask[:, None] & (offs_r < t_rows)[None, :] & (g < G))
 
 
 @triton.jit
@@ -333,14 +336,17 @@ def fp8_quantize_cols_kernel(
             + pick(aligned_group_offsets(offs, starts, ends, G, T_ALIGN), offs, g) * T_ALIGN * stride_tr
         )
     t_base += (col0 + offs_c[:, None]) * stride_tc
-    for r in range(start, end, BLOCK_R):
-        rows_left = offs_r < end - r
+    # Through the group's 16-aligned end, zeros past it (see fp8_quantize_tiles_kernel).
+    t_end = start + tl.cdiv(end - start, T_ALIGN) * T_ALIGN
+    for r in range(start, t_end, BLOCK_R):
         x = tl.load(
-            x_base + (r + offs_r)[:, None] * stride_xr, mask=rows_left[:, None] & col_mask[None, :], other=0.0
+            x_base + (r + offs_r)[:, None] * stride_xr,
+            mask=(offs_r < end - r)[:, None] & col_mask[None, :],
+            other=0.0,
         )
         qt = _cast(x.to(tl.float32), scale[None, :], FP8_MAX, qt_ptr.dtype.element_ty, EMULATE_CAST)
         tl.store(
             t_base + (r - start + offs_r)[None, :] * stride_tr,
             tl.trans(qt),
-            mask=col_mask[:, None] & rows_left[None, :],
+            mask=col_mask[:, None] & (offs_r < t_end - r)[None, :],
         )
