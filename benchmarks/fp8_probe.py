@@ -59,13 +59,22 @@ def probe_case(case: shapes.Case, recipes, try_configs: bool) -> None:
     wq_r = quantize_fp8(w, "rowwise")
     xd, wd = xq_r.data.contiguous(), wq_r.data.contiguous()
     try:
-        t = bench(lambda: torch._scaled_grouped_mm(xd, wd.transpose(-2, -1), xq_r.scale, wq_r.scale, offs=offs,
-                                                   out_dtype=torch.bfloat16, use_fast_accum=True))
+        t = bench(
+            lambda: torch._scaled_grouped_mm(
+                xd,
+                wd.transpose(-2, -1),
+                xq_r.scale,
+                wq_r.scale,
+                offs=offs,
+                out_dtype=torch.bfloat16,
+                use_fast_accum=True,
+            )
+        )
         emit(case=case.name, impl="torch._scaled_grouped_mm", op="fwd", ms=t, tflops=flops / t / 1e9)
     except Exception as e:  # noqa: BLE001
         emit(case=case.name, impl="torch._scaled_grouped_mm", op="fwd", error=repr(e)[:300])
     for recipe in recipes:
-        for fast in ([False, True] if recipe != "blockwise" else [False]):
+        for fast in [False, True] if recipe != "blockwise" else [False]:
             tag = f"{recipe}{'-fast' if fast else ''}"
             x_q = quantize_fp8(x, recipe, group_sizes=gs, transpose=True)
             w_q = quantize_fp8(w, recipe, transpose=True)
@@ -88,7 +97,9 @@ def probe_case(case: shapes.Case, recipes, try_configs: bool) -> None:
                 ("wgrad", lambda: k_grouped_mm_fp8(dy_q, x_q, gs, fast_accum=fast), err_wgrad),
             ):
                 t = bench(fn)
-                emit(case=case.name, impl=f"moegemm-fp8-{tag}", op=op, ms=t, tflops=flops / t / 1e9, relerr=err)
+                emit(
+                    case=case.name, impl=f"moegemm-fp8-{tag}", op=op, ms=t, tflops=flops / t / 1e9, relerr=err
+                )
             if fast:
                 continue
             for name, fn, nbytes in (
@@ -104,15 +115,29 @@ def probe_case(case: shapes.Case, recipes, try_configs: bool) -> None:
                     for i, (cfg, _why) in enumerate(list(table)):
                         configs.TABLE[(key, "sm90")] = [table[i]] + [e for j, e in enumerate(table) if j != i]
                         _launch_fp8.clear_launch_cache()
-                        fn = (lambda: m_grouped_mm_fp8(x_q, w_q, gs)) if op_name == "fwd" else (
-                            lambda: k_grouped_mm_fp8(dy_q, x_q, gs))
+                        fn = (
+                            (lambda: m_grouped_mm_fp8(x_q, w_q, gs))
+                            if op_name == "fwd"
+                            else (lambda: k_grouped_mm_fp8(dy_q, x_q, gs))
+                        )
                         try:
                             t = bench(fn)
-                            emit(case=case.name, impl=f"cfg-{recipe}", op=op_name, config=dataclasses.asdict(cfg),
-                                 ms=t, tflops=flops / t / 1e9)
+                            emit(
+                                case=case.name,
+                                impl=f"cfg-{recipe}",
+                                op=op_name,
+                                config=dataclasses.asdict(cfg),
+                                ms=t,
+                                tflops=flops / t / 1e9,
+                            )
                         except Exception as e:  # noqa: BLE001
-                            emit(case=case.name, impl=f"cfg-{recipe}", op=op_name, config=dataclasses.asdict(cfg),
-                                 error=repr(e)[:300])
+                            emit(
+                                case=case.name,
+                                impl=f"cfg-{recipe}",
+                                op=op_name,
+                                config=dataclasses.asdict(cfg),
+                                error=repr(e)[:300],
+                            )
                     configs.TABLE[(key, "sm90")] = table
                     _launch_fp8.clear_launch_cache()
             del x_q, w_q, dy_q

@@ -62,6 +62,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "src/moegemm/tuned_configs/; elsewhere, the file starts as a copy of the committed one)",
     )
     p.add_argument("--overhead", action="store_true", help="also measure host time per call on a tiny shape")
+    fp8 = p.add_argument_group("FP8 mode (moegemm.bench.fp8): scaled grouped GEMMs with their peers")
+    fp8.add_argument("--fp8", action="store_true", help="run the FP8 benchmark instead of the BF16 one")
+    fp8.add_argument("--fp8-recipes", default="tensorwise,rowwise,blockwise")
+    fp8.add_argument(
+        "--fp8-step-cases", default="", help="cases for a GroupedLinear fwd+bwd step, BF16 vs each recipe"
+    )
     return p.parse_args(argv)
 
 
@@ -120,6 +126,24 @@ def main(argv=None) -> int:
     jagged = shapes.parse_jagged(args.jagged_splits) if args.jagged_splits else None
     if jagged is not None and (not jagged or min(jagged) < 0):
         raise SystemExit(f"--jagged-splits needs non-negative sizes, got {args.jagged_splits!r}")
+    if args.fp8:
+        from moegemm.bench import fp8
+
+        out = (
+            args.out
+            or Path("benchmarks/results")
+            / f"{harness.Environment.detect(device).device_slug}-{time.strftime('%Y-%m-%d')}-fp8.json"
+        )
+        fp8.run(
+            select_cases(args, shapes, cuda),
+            ops,
+            _csv(args.fp8_recipes),
+            device,
+            timing.TimingConfig.quick() if args.quick else timing.TimingConfig(),
+            out,
+            [shapes.get(name) for name in _csv(args.fp8_step_cases)],
+        )
+        return 0
     impls = registry.select(_csv(args.impls) or (["moegemm"] if args.tune else None))
     env = harness.Environment.detect(device)
     spec = harness.RunSpec(

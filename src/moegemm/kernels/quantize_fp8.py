@@ -68,7 +68,11 @@ def _round_to_grid(v, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
     ulp = ((tl.maximum(exp, MIN_EXP) - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)
     # Adding 1.5 * 2^23 leaves no fraction bits in fp32, so the add rounds |v / ulp| < 2^22 to an
     # integer (ties to even); v / ulp and the product are exact (ulp is a power of two).
-    return ((v / ulp + 12582912.0) - 12582912.0) * ulp
+    # On |v|, with the sign put back, so that a tiny negative value rounds to -0.0 as the hardware's does.
+    # (The sign bit is copied: Triton's -x is 0 - x, which turns -0.0 into +0.0.)
+    rounded = ((tl.abs(v) / ulp + 12582912.0) - 12582912.0) * ulp
+    sign = v.to(tl.int32, bitcast=True) & -(2**31)
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -191,7 +195,8 @@ def fp8_quantize_tiles_kernel(
             other=0.0,
         ).to(tl.float32)
         if SCALING == 0:
-            scale = _scale(tl.load(amax_ptr + tl.minimum(g, G - 1), mask=g < G, other=0.0), FP8_MAX)
+            # Scalar masks are refused by triton 3.9's interpreter: load in bounds, then select.
+            scale = _scale(tl.where(g < G, tl.load(amax_ptr + tl.minimum(g, G - 1)), 0.0), FP8_MAX)
             q = _cast(x, scale, FP8_MAX, dtype, EMULATE_CAST)
             qt = q
         elif SCALING == 1:
@@ -205,7 +210,7 @@ def fp8_quantize_tiles_kernel(
                 st_ptrs = (
                     st_ptr + (block_base + m_tile).to(tl.int64) * stride_stb + (col0 + offs_c) * stride_stc
                 )
-                tl.store(st_ptrs, col_scale, mask=col_mask & (g < G))
+                tl.store(st_ptrs, col_scale, mask=offs_c < tl.where(g < G, C - col0, 0))
         else:
             scale = _scale(tl.max(tl.max(tl.abs(x), 1), 0), FP8_MAX)  # one per 128x128 block
             q = _cast(x, scale, FP8_MAX, dtype, EMULATE_CAST)
@@ -213,7 +218,8 @@ def fp8_quantize_tiles_kernel(
             s_off = (
                 g.to(tl.int64) * stride_sg + m_tile.to(tl.int64) * stride_sr + n_tile.to(tl.int64) * stride_sc
             )
-            tl.store(s_ptr + s_off, scale, mask=g < G)
+            if g < G:
+                tl.store(s_ptr + s_off, scale)
         q_ptrs = (
             q_ptr
             + row0 * stride_qr
@@ -234,8 +240,9 @@ def fp8_quantize_tiles_kernel(
             t_ptrs = t_base + (t_col0 + offs_r[None, :]) * stride_tr + (col0 + offs_c[:, None]) * stride_tc
             # Through the group's 16-aligned end: the padding columns get zeros (x was loaded as 0
             # past the group), which the wgrad kernel's 16-wide loads read.
-            t_rows = tl.cdiv(rows, T_ALIGN) * T_ALIGN
-            tl.store(t_ptrs, tl.trans(qt), mask=col_mask[:, None] & (offs_r < t_rows)[None, :] & (g < G))
+            # (g < G folds into the bound: triton 3.9's interpreter refuses a scalar and-ed into a mask.)
+            t_rows = tl.where(g < G, tl.cdiv(rows, T_ALIGN) * T_ALIGN, 0)
+            tl.store(t_ptrs, tl.trans(qt), mask=col_mask[:, None] & (offs_r < t_rows)[None, :])
 
 
 @triton.jit

@@ -36,6 +36,13 @@ from moegemm.torch.api import (
     checks_enabled,
     resolve_backend,
 )
+from moegemm.torch.grouped_linear_fp8 import (
+    Fp8GroupedLinearFunction,
+    Fp8Settings,
+    Fp8WeightCache,
+    check_recipe,
+    quantize_weight,
+)
 
 __all__ = ["GroupedLinear"]
 
@@ -59,7 +66,7 @@ class _State:
     """delay_wgrad_compute: what the backward leaves for backward_dw() (x, dy, group_sizes, main_grad, ...)."""
 
     def __init__(self) -> None:
-        self.pending: tuple[torch.Tensor, ...] | None = None
+        self.pending: tuple | None = None  # (weight-gradient function, its arguments, need_w)
 
 
 class _GroupedLinearFunction(torch.autograd.Function):
@@ -106,7 +113,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
                     "GroupedLinear(delay_wgrad_compute=True): a second backward ran before backward_dw() "
                     "consumed the first one's weight gradient"
                 )
-            state.pending = wgrad
+            state.pending = (_weight_grads, wgrad, need_w)
             return _overwritten_grad(ctx, dy), dx, *[None] * 8
         dw, db = _weight_grads(*wgrad)
         if need_w and ctx.main_grad is not None and ctx.dummy_wgrad is not None:
@@ -157,6 +164,12 @@ class GroupedLinear(nn.Module):
         init_method: called as ``init_method(weight[g])`` on each expert's [N, K] weight (the bias is
             then zeroed, as in TE); default: nn.Linear's init, U(-1/sqrt(K), 1/sqrt(K)) for both.
         backend: "auto", "triton" or "reference" (see ``moegemm.torch.api``).
+        fp8_recipe: None (high precision), or "tensorwise", "rowwise" or "blockwise": forward and
+            backward GEMMs in FP8 with current scaling (``moegemm.torch.grouped_linear_fp8``). The
+            weight's quantized copy is cached while the weight is unchanged (its version counter);
+            ``forward(..., is_first_microbatch=...)`` overrides that as in TransformerEngine.
+        fp8_grad_dtype: dy's FP8 format; float8_e5m2 is TE's "hybrid" recipe.
+        fp8_fprop_fast_accum: fprop accumulates without fp32 promotion (faster; TE's fprop default).
 
     A state dict in per-expert layout (``weight0`` .. ``weight{G-1}``, ``bias0`` ..) loads too.
     """
@@ -174,6 +187,9 @@ class GroupedLinear(nn.Module):
         delay_wgrad_compute: bool = False,
         init_method: Callable[[torch.Tensor], object] | None = None,
         backend: Backend = "auto",
+        fp8_recipe: str | None = None,
+        fp8_grad_dtype: torch.dtype = torch.float8_e4m3fn,
+        fp8_fprop_fast_accum: bool = True,
     ) -> None:
         super().__init__()
         if num_groups < 1 or in_features < 0 or out_features < 0:
@@ -195,6 +211,12 @@ class GroupedLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self._state = _State()
+        self.fp8 = None
+        if check_recipe(fp8_recipe) is not None:
+            if fp8_grad_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+                raise TypeError(f"fp8_grad_dtype must be float8_e4m3fn or float8_e5m2, got {fp8_grad_dtype}")
+            self.fp8 = Fp8Settings(fp8_recipe, fp8_grad_dtype, fp8_fprop_fast_accum)
+        self._fp8_weight = Fp8WeightCache()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -216,6 +238,7 @@ class GroupedLinear(nn.Module):
             f"out_features={self.out_features}, bias={self.bias is not None}, "
             f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}, "
             f"delay_wgrad_compute={self.delay_wgrad_compute}"
+            + ("" if self.fp8 is None else f", fp8_recipe={self.fp8.recipe!r}")
         )
 
     def forward(
@@ -225,6 +248,7 @@ class GroupedLinear(nn.Module):
         *,
         out: torch.Tensor | None = None,
         check: bool | None = None,
+        is_first_microbatch: bool | None = None,
     ) -> torch.Tensor:
         """x [M, in_features] -> y [M, out_features] in the parameters' dtype.
 
@@ -236,6 +260,8 @@ class GroupedLinear(nn.Module):
         mode, autograd refuses a leaf that requires grad. Under torch.compile the result is copied
         into out (one temporary). ``check=True`` (or MOEGEMM_CHECK=1)
         syncs to validate that sizes are >= 0 and sum exactly to M.
+        With ``fp8_recipe``: ``is_first_microbatch`` True re-quantizes the weight, False reuses the cached
+        copy unchecked, None (default) re-quantizes only when the weight changed.
         """
         weight = self.weight  # nn.Module attribute lookups of parameters cost ~1 us each: look up once
         G, N, K = weight.shape
@@ -264,6 +290,10 @@ class GroupedLinear(nn.Module):
             check_out_buffer(
                 "GroupedLinear", out, x=x, weight=weight, bias=self.bias, group_sizes=group_sizes
             )
+        if self.fp8 is not None and is_first_microbatch is False and self._fp8_weight.storage is None:
+            raise RuntimeError(
+                "is_first_microbatch=False needs a cached FP8 weight: no forward has quantized it yet"
+            )
         if out is not None and torch.compiler.is_compiling():
             # Dynamo rebuilds an autograd.Function with its inputs in first-use order, which undoes the
             # out-first rule of _GroupedLinearFunction: under compile, out= is an ordinary copy_,
@@ -281,6 +311,31 @@ class GroupedLinear(nn.Module):
             if not delay:
                 dummy_wgrad = self._mark_grad_added_to_main_grad()
         backend = resolve_backend(self.backend, x.device)
+        if self.fp8 is not None:
+            if torch.compiler.is_compiling():  # no Python-side cache in a traced graph
+                w_q = quantize_weight(weight, self.fp8, backend)
+            else:
+                w_q = self._fp8_weight.get(
+                    weight,
+                    self.fp8,
+                    backend,
+                    refresh=is_first_microbatch is True,
+                    reuse=is_first_microbatch is False,
+                )
+            return Fp8GroupedLinearFunction.apply(
+                out,
+                x,
+                weight,
+                self.bias,
+                group_sizes,
+                main_grad,
+                dummy_wgrad,
+                backend,
+                delay,
+                state,
+                self.fp8,
+                w_q,
+            )
         return _GroupedLinearFunction.apply(
             out, x, weight, self.bias, group_sizes, main_grad, dummy_wgrad, backend, delay, state
         )
@@ -326,11 +381,11 @@ class GroupedLinear(nn.Module):
                 "backward_dw() has no pending weight gradient: it runs once after each backward "
                 "(called twice, or before any backward)"
             )
-        pending, self._state.pending = self._state.pending, None
-        dw, db = _weight_grads(*pending)
+        (weight_grads, args, need_w), self._state.pending = self._state.pending, None
+        dw, db = weight_grads(*args)
         if dw is not None:
             _accumulate_grad(self.weight, dw)
-        elif pending[4] and hasattr(self.weight, "grad_added_to_main_grad"):  # accumulated into main_grad
+        elif need_w and hasattr(self.weight, "grad_added_to_main_grad"):  # accumulated into main_grad
             self.weight.grad_added_to_main_grad = True
         if db is not None:
             _accumulate_grad(self.bias, db)

@@ -1,0 +1,358 @@
+"""FP8 mode of the benchmark (``python -m moegemm.bench --fp8``): every recipe, fwd/dgrad/wgrad, peers in one run.
+
+Per (case, op, recipe): moegemm's FP8 GEMM alone (operands quantized beforehand), and quantize +
+GEMM (the activation quantize that feeds it: x for fwd, dy for dgrad, both with their transposed
+copies; wgrad reads those copies and adds none). Peers in the same process: torch._scaled_grouped_mm
+(rowwise, fast accumulation; fwd and dgrad: its SM90 k-grouped form takes per-group scales we do not
+produce, so wgrad is reported as not run), dense torch._scaled_mm of the same FLOPs (tensorwise,
+rowwise, and blockwise 1x128/128x128 through torch.nn.functional.scaled_mm), and moegemm's BF16
+kernels. Every output is checked against an fp32 product of the dequantized operands before it is
+timed. Times are medians of CUDA-event device time (triton do_bench), the same clock for every impl.
+The FP8 roofline floor uses the dense tensorwise rate measured in the same run and 1-byte operands.
+
+Also: the grouped quantize's bandwidth, and a GroupedLinear fwd+bwd step per recipe against BF16
+with its peak memory (``--fp8-step-cases``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+from moegemm import shapes
+from moegemm.bench import roofline, timing
+from moegemm.testing.accuracy import relerr
+from moegemm.torch import GroupedLinear, k_grouped_mm, m_grouped_mm
+from moegemm.torch.fp8 import k_grouped_mm_fp8, m_grouped_mm_fp8, quantize_fp8
+
+RECIPES = ("tensorwise", "rowwise", "blockwise")
+OPS = ("fwd", "dgrad", "wgrad")
+TOLERANCE = 2e-2  # vs an fp32 product of the same dequantized operands: bf16 output and fast accumulation
+
+
+@dataclasses.dataclass
+class Row:
+    case: str
+    op: str
+    impl: str
+    recipe: str | None
+    ms: float | None = None
+    tflops: float | None = None
+    quantize_plus_gemm_ms: float | None = None
+    relerr: float | None = None
+    pct_floor: float | None = None
+    note: str | None = None
+
+
+def _grouped_ref(a, b_rows, sizes):
+    """out[rows(g)] = a[rows(g)] @ b_rows[g]^T in fp32."""
+    out = torch.zeros(a.shape[0], b_rows.shape[1], device=a.device)
+    start = 0
+    for g, n in enumerate(sizes):
+        if n:
+            out[start : start + n] = a[start : start + n] @ b_rows[g].T
+        start += n
+    return out
+
+
+def _wgrad_ref(a, b, sizes):
+    out, start = [], 0
+    for n in sizes:
+        out.append(a[start : start + n].T @ b[start : start + n])
+        start += n
+    return torch.stack(out)
+
+
+class Fp8Bench:
+    def __init__(self, device: torch.device, cfg: timing.TimingConfig, seed: int = 0) -> None:
+        self.device, self.cfg, self.seed = device, cfg, seed
+        self.rows: list[Row] = []
+        self.extra: dict = {"quantize": [], "grouped_linear_step": [], "dense_fp8_tflops": {}}
+
+    def time(self, fn) -> float:
+        return timing.median_ms(fn, self.device, "events", self.cfg)
+
+    def case(self, case: shapes.Case, ops, recipes) -> None:
+        G, M, K, N = case.G, case.M, case.K, case.N
+        sizes = shapes.group_sizes(M, G, seed=self.seed)
+        gs = torch.tensor(sizes, dtype=torch.int32, device=self.device)
+        gen = torch.Generator(device=self.device).manual_seed(self.seed)
+        x = torch.randn(M, K, device=self.device, generator=gen).to(torch.bfloat16)
+        w = (torch.randn(G, N, K, device=self.device, generator=gen) * K**-0.5).to(torch.bfloat16)
+        dy = torch.randn(M, N, device=self.device, generator=gen).to(torch.bfloat16)
+        dense_rate = self.dense(case, ops)
+        for op in ops:
+            self.bf16(case, op, x, w, dy, gs)
+        for recipe in recipes:
+            x_q = quantize_fp8(x, recipe, group_sizes=gs, transpose=True)
+            w_q = quantize_fp8(w, recipe, transpose=True)
+            dy_q = quantize_fp8(dy, recipe, group_sizes=gs, transpose=True)
+            self.quantize_bandwidth(case, recipe, x, gs)
+            for op in ops:
+                for fast in (False, True) if recipe != "blockwise" and op != "wgrad" else (False,):
+                    self.moegemm(case, op, recipe, fast, x, dy, x_q, w_q, dy_q, gs, sizes, dense_rate)
+            del x_q, w_q, dy_q
+        for op in ops:
+            if op != "wgrad":
+                self.scaled_grouped_mm(case, op, x, w, dy, sizes)
+            else:
+                self.rows.append(
+                    Row(
+                        case.name,
+                        op,
+                        "torch._scaled_grouped_mm",
+                        "rowwise",
+                        note="not run: its SM90 k-grouped scaling is not the per-token recipe here",
+                    )
+                )
+
+    def _floor_pct(self, case, op, ms, dense_rate) -> float | None:
+        if dense_rate is None or ms is None:
+            return None
+        flops = roofline.op_flops(case, op)
+        G, M, K, N = case.G, case.M, case.K, case.N
+        out_bytes = {"fwd": 2 * M * N, "dgrad": 2 * M * K, "wgrad": 4 * G * N * K}[op]
+        in_bytes = {"fwd": M * K + G * N * K, "dgrad": M * N + G * N * K, "wgrad": M * (N + K)}[op]
+        floor_s = max(flops / (dense_rate * 1e12), (in_bytes + out_bytes) / roofline.PEAK_BYTES_PER_S)
+        return 100 * floor_s / (ms / 1e3)
+
+    def moegemm(self, case, op, recipe, fast, x, dy, x_q, w_q, dy_q, gs, sizes, dense_rate) -> None:
+        impl = f"moegemm-fp8{'-fast' if fast else ''}"
+        if op == "fwd":
+            fn = lambda: m_grouped_mm_fp8(x_q, w_q, gs, fast_accum=fast)  # noqa: E731
+            qfn = lambda: m_grouped_mm_fp8(
+                quantize_fp8(x, recipe, group_sizes=gs, transpose=True),
+                w_q,
+                gs,  # noqa: E731
+                fast_accum=fast,
+            )
+            ref = lambda: _grouped_ref(x_q.dequantize(), w_q.dequantize(), sizes)  # noqa: E731
+        elif op == "dgrad":
+            w_t = w_q.t()
+            fn = lambda: m_grouped_mm_fp8(dy_q, w_t, gs, fast_accum=fast)  # noqa: E731
+            qfn = lambda: m_grouped_mm_fp8(
+                quantize_fp8(dy, recipe, group_sizes=gs, transpose=True),
+                w_t,
+                gs,  # noqa: E731
+                fast_accum=fast,
+            )
+            ref = lambda: _grouped_ref(dy_q.dequantize(), w_t.dequantize(), sizes)  # noqa: E731
+        else:
+            fn = lambda: k_grouped_mm_fp8(dy_q, x_q, gs)  # noqa: E731
+            qfn = None
+            ref = lambda: _wgrad_ref(dy_q.dequantize_t(), x_q.dequantize_t(), sizes)  # noqa: E731
+        row = Row(case.name, op, impl, recipe)
+        err = relerr(fn().float(), ref())
+        row.relerr = err
+        if not err <= TOLERANCE:
+            row.note = f"wrong: relerr {err:.2e}"
+            self.rows.append(row)
+            return
+        row.ms = self.time(fn)
+        row.tflops = roofline.op_flops(case, op) / row.ms / 1e9
+        row.quantize_plus_gemm_ms = row.ms if qfn is None else self.time(qfn)
+        row.pct_floor = self._floor_pct(case, op, row.ms, dense_rate)
+        self.rows.append(row)
+
+    def bf16(self, case, op, x, w, dy, gs) -> None:
+        fn = {
+            "fwd": lambda: m_grouped_mm(x, w.mT, gs),
+            "dgrad": lambda: m_grouped_mm(dy, w, gs),
+            "wgrad": lambda: k_grouped_mm(dy, x, gs),
+        }[op]
+        ms = self.time(fn)
+        self.rows.append(Row(case.name, op, "moegemm-bf16", None, ms, roofline.op_flops(case, op) / ms / 1e9))
+
+    def scaled_grouped_mm(self, case, op, x, w, dy, sizes) -> None:
+        row = Row(case.name, op, "torch._scaled_grouped_mm", "rowwise")
+        try:
+            offs = torch.tensor(sizes, device=self.device).cumsum(0).to(torch.int32)
+            a = quantize_fp8(x if op == "fwd" else dy, "rowwise")
+            wq = quantize_fp8(w, "rowwise", transpose=op == "dgrad")
+            b = wq if op == "fwd" else wq.t()
+            a_data, b_data = a.data.contiguous(), b.data.contiguous()
+
+            def fn():
+                return torch._scaled_grouped_mm(
+                    a_data,
+                    b_data.transpose(-2, -1),
+                    a.scale,
+                    b.scale.contiguous(),
+                    offs=offs,
+                    out_dtype=torch.bfloat16,
+                    use_fast_accum=True,
+                )
+
+            row.relerr = relerr(fn().float(), _grouped_ref(a.dequantize(), b.dequantize(), sizes))
+            row.ms = self.time(fn)
+            row.tflops = roofline.op_flops(case, op) / row.ms / 1e9
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
+            row.note = f"failed: {type(exc).__name__}: {str(exc)[:160]}"
+        self.rows.append(row)
+
+    def dense(self, case, ops) -> float | None:
+        """Dense FP8 of the fwd shape [M, K] x [K, N]; returns the tensorwise rate (the floor's compute rate)."""
+        M, K, N = case.M, case.K, case.N
+        a = torch.randn(M, K, device=self.device).to(torch.float8_e4m3fn)
+        b = torch.randn(N, K, device=self.device).to(torch.float8_e4m3fn)
+        flops = 2 * M * K * N
+        rates = {}
+        one = torch.ones((), device=self.device)
+        calls = {
+            "tensorwise": lambda: torch._scaled_mm(
+                a, b.T, one, one, out_dtype=torch.bfloat16, use_fast_accum=True
+            ),
+            "rowwise": lambda: torch._scaled_mm(
+                a,
+                b.T,
+                torch.ones(M, 1, device=self.device),
+                torch.ones(1, N, device=self.device),
+                out_dtype=torch.bfloat16,
+                use_fast_accum=True,
+            ),
+        }
+        try:
+            from torch.nn.functional import ScalingType, SwizzleType, scaled_mm
+
+            sa = torch.ones(K // 128, M, device=self.device).T if K % 128 == 0 else None
+            sb = torch.ones(N // 128, K // 128, device=self.device) if K % 128 == 0 and N % 128 == 0 else None
+            if sa is not None and sb is not None:
+                calls["blockwise"] = lambda: scaled_mm(
+                    a,
+                    b.T,
+                    sa,
+                    ScalingType.BlockWise1x128,
+                    sb.T,
+                    ScalingType.BlockWise128x128,
+                    swizzle_a=SwizzleType.NO_SWIZZLE,
+                    swizzle_b=SwizzleType.NO_SWIZZLE,
+                    output_dtype=torch.bfloat16,
+                )
+        except ImportError:
+            pass
+        for recipe, fn in calls.items():
+            row = Row(case.name, "fwd", f"dense-scaled_mm-{recipe}", recipe)
+            try:
+                row.ms = self.time(fn)
+                row.tflops = flops / row.ms / 1e9
+                rates[recipe] = row.tflops
+            except Exception as exc:  # noqa: BLE001
+                row.note = f"failed: {type(exc).__name__}: {str(exc)[:160]}"
+            self.rows.append(row)
+        self.extra["dense_fp8_tflops"][case.name] = rates
+        return rates.get("tensorwise")
+
+    def quantize_bandwidth(self, case, recipe, x, gs) -> None:
+        M, K = x.shape
+        ms = self.time(lambda: quantize_fp8(x, recipe, group_sizes=gs, transpose=True))
+        nbytes = 2 * M * K + 2 * M * K  # read bf16, write data and data_t (scales are < 1%)
+        self.extra["quantize"].append(
+            {
+                "case": case.name,
+                "recipe": recipe,
+                "ms": ms,
+                "GBps": nbytes / ms / 1e6,
+                "pct_of_peak": 100 * nbytes / (ms / 1e3) / roofline.PEAK_BYTES_PER_S,
+            }
+        )
+
+    def grouped_linear_step(self, case: shapes.Case) -> None:
+        """fwd + bwd of one GroupedLinear (bias, fp32 main_grad accumulation), BF16 vs each recipe."""
+        G, M, K, N = case.G, case.M, case.K, case.N
+        sizes = torch.tensor(shapes.group_sizes(M, G, seed=self.seed), dtype=torch.int32, device=self.device)
+        x = torch.randn(M, K, device=self.device, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(M, N, device=self.device, dtype=torch.bfloat16)
+        base = None
+        for recipe in (None, *RECIPES):
+            module = GroupedLinear(
+                G,
+                K,
+                N,
+                dtype=torch.bfloat16,
+                device=self.device,
+                fuse_wgrad_accumulation=True,
+                fp8_recipe=recipe,
+            )
+            module.weight.main_grad = torch.zeros(G, N, K, device=self.device)
+
+            def step(module=module):
+                x.grad = None
+                module(x, sizes).backward(dy)
+
+            step()
+            ms = self.time(step)
+            _, peak = timing.call_with_peak_mb(step, self.device)
+            base = base or ms
+            self.extra["grouped_linear_step"].append(
+                {
+                    "case": case.name,
+                    "recipe": recipe or "bf16",
+                    "ms": ms,
+                    "speedup_vs_bf16": base / ms,
+                    "peak_mb": peak,
+                }
+            )
+            del module
+            torch.cuda.empty_cache()
+
+
+def run(cases, ops, recipes, device, cfg, out: Path | None, step_cases=()) -> dict:
+    from rich.console import Console
+    from rich.table import Table
+
+    bench = Fp8Bench(device, cfg)
+    console = Console(width=180)
+    for case in cases:
+        console.print(f"[bold]{case.name}[/] G={case.G} M={case.M} K={case.K} N={case.N}")
+        bench.case(case, ops, recipes)
+    for case in step_cases:
+        bench.grouped_linear_step(case)
+    table = Table(title="FP8 grouped GEMMs (device time, median)")
+    for col in ("case", "op", "impl", "recipe", "ms", "TF/s", "q+gemm ms", "% floor", "relerr", "note"):
+        table.add_column(col)
+    fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
+    for r in bench.rows:
+        table.add_row(
+            r.case,
+            r.op,
+            r.impl,
+            r.recipe or "",
+            fmt(r.ms, ".3f"),
+            fmt(r.tflops, ".0f"),
+            fmt(r.quantize_plus_gemm_ms, ".3f"),
+            fmt(r.pct_floor, ".0f"),
+            fmt(r.relerr, ".1e"),
+            r.note or "",
+        )
+    console.print(table)
+    for q in bench.extra["quantize"]:
+        console.print(
+            f"quantize {q['case']} {q['recipe']}: {q['ms']:.3f} ms, {q['GBps']:.0f} GB/s ({q['pct_of_peak']:.0f}%)"
+        )
+    for s in bench.extra["grouped_linear_step"]:
+        console.print(
+            f"GroupedLinear step {s['case']} {s['recipe']}: {s['ms']:.3f} ms, {s['speedup_vs_bf16']:.2f}x "
+            f"of bf16, peak {s['peak_mb']} MB"
+        )
+    result = {
+        "meta": {
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+            "date": datetime.date.today().isoformat(),
+            "torch": torch.__version__,
+            "triton": __import__("triton").__version__,
+            "timing": "cuda-events median (triton do_bench)",
+            "tolerance": TOLERANCE,
+        },
+        "rows": [dataclasses.asdict(r) for r in bench.rows],
+        **bench.extra,
+    }
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+        console.print(f"wrote {out}")
+    return result
