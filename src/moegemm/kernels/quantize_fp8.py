@@ -42,14 +42,16 @@ TENSOR, BLOCK_1X128, BLOCK_128X128 = 0, 1, 2
 @triton.jit
 def _scale(amax, FP8_MAX: tl.constexpr):
     """The dequantization factor of a block with this amax; a block of zeros gets 1 (never 0 or inf)."""
-    return tl.where(amax > 0, amax / FP8_MAX, 1.0)
+    # div_rn: Triton's `/` on fp32 is div.full.f32 on NVIDIA GPUs (not correctly rounded), which made
+    # scales and data differ from the twin's IEEE division by an ulp here and there.
+    return tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
 
 
 @triton.jit
 def _cast(x, scale, FP8_MAX: tl.constexpr, dtype: tl.constexpr, EMULATE_CAST: tl.constexpr):
     """Round-to-nearest-even cast of x / scale, clamped to the format's range (x / scale may round
     just past FP8_MAX; float8_e4m3fn has no inf)."""
-    q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
     if EMULATE_CAST:
         # The interpreter's float downcast rounds half up and drops the carry into the exponent
         # (1.94 -> 1.0 in e4m3; triton/runtime/interpreter.py, _convert_float), so round to the FP8
