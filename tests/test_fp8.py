@@ -194,7 +194,21 @@ class GemmTest:
         ],
         ids=["skew-empty-tail", "one-hot", "dirichlet", "all-empty", "odd-dims"],
     )
-    def test_fprop_dgrad_wgrad(self, recipe, M, K, N, sizes):
+    def test_fprop_dgrad_wgrad(self, recipe, M, K, N, sizes, request):
+        if (
+            DEVICE == "cuda"
+            and self.BACKEND == "triton"
+            and recipe == "tensorwise"
+            and "dirichlet" in request.node.name
+        ):
+            # Open bug, seen only on the H100 (2026-11-22): this case's tensorwise wgrad has NaN in the
+            # dW rows of the 31-row group (3 of 48), with data_t and scales free of NaN when checked
+            # alone; rowwise and blockwise pass on the same case. Strict, so the fix is noticed.
+            request.applymarker(
+                pytest.mark.xfail(
+                    strict=True, reason="tensorwise wgrad NaN on GPU, see docs/perf-notes.md 13"
+                )
+            )
         self.check_all(recipe, M, K, N, sizes)
 
     @pytest.mark.parametrize("recipe", RECIPES)
