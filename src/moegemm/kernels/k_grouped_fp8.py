@@ -21,11 +21,8 @@ import triton
 import triton.language as tl
 
 from moegemm.kernels.m_grouped_fp8 import SCALINGS
+from moegemm.kernels.quantize_fp8 import T_ALIGN  # the data_t layout both kernels agree on
 from moegemm.kernels.schedule import aligned_group_offsets, group_row_bounds, pick, swizzle_tile
-
-T_ALIGN = tl.constexpr(
-    16
-)  # must match moegemm.kernels.quantize_fp8.T_ALIGN (the layout both kernels agree on)
 
 
 @triton.jit
