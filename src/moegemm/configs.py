@@ -90,8 +90,12 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
     ],
     # FP8: BLOCK_K 128 is one DeepSeek-V3 scale block (blockwise promotes once per step); 1-byte
     # operands fit a 128 x 256 x 128 tile in 3 stages (144 KB of shared memory).
+    # "_fast": tensorwise/rowwise with fast accumulation (fast_accum=True: the tensor cores accumulate
+    # a whole tile's K, no promotion), which wants other tiles than promoted accumulation does.
     ("m_grouped_fp8", "interpret"): [(M(32, 32, 32, 4, 4, 1), "interpreter: small tiles")],
+    ("m_grouped_fp8_fast", "interpret"): [(M(32, 32, 32, 4, 4, 1), "interpreter: small tiles")],
     ("k_grouped_fp8", "interpret"): [(K(32, 32, 32, 4, 4, 1), "interpreter: small tiles")],
+    ("k_grouped_fp8_fast", "interpret"): [(K(32, 32, 32, 4, 4, 1), "interpreter: small tiles")],
     # Measured on the H100 (docs/perf-notes.md, 13): 2 CTAs/SM won by 1.6-1.9x over one 128 x 256
     # CTA, since a CTA that waits for its wgmma (to promote or scale the partial sum) leaves the tensor
     # cores to the other.
@@ -108,6 +112,24 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
         (K(128, 256, 128, 8, 8, 3), "wide N"),
         (K(128, 128, 64, 8, 4, 4, 2), "short groups: half-block steps, deeper pipeline"),
     ],
+    # Fast accumulation: nothing waits for a wgmma inside the loop, so one CTA with the widest tile
+    # keeps the tensor cores fed (probe, dsv3-ep8-fc1 fwd: 128 x 256 one CTA 1271 TF/s, 128 x 128 two
+    # CTAs 943; docs/perf-notes.md 13).
+    ("m_grouped_fp8_fast", "sm90"): [
+        (M(128, 256, 128, 8, 8, 3), "FP8 fast anchor: widest tile, one CTA/SM"),
+        (M(128, 128, 128, 8, 8, 3, 2), "2 CTAs/SM: one's epilogue under the other's loop"),
+        (M(128, 128, 128, 8, 4, 4, 2), "2 CTAs/SM, 4 warps, deeper pipeline"),
+        (M(64, 256, 128, 8, 4, 4, 2), "many-expert shapes: 64-row tiles waste less per group"),
+        (M(64, 128, 128, 8, 4, 4, 2), "small groups: more tiles to fill 132 SMs"),
+        (M(128, 256, 64, 8, 8, 4), "wide tile, shorter steps, 4 stages"),
+        (M(128, 256, 128, 16, 8, 3), "wider swizzle band for weight reuse"),
+    ],
+    ("k_grouped_fp8_fast", "sm90"): [
+        (K(128, 128, 128, 8, 4, 3, 2), "2 CTAs/SM: best tensorwise/rowwise wgrad on dsv3 (probe)"),
+        (K(128, 128, 128, 8, 8, 3), "one CTA, 8 warps"),
+        (K(128, 256, 128, 8, 8, 3), "wide N"),
+        (K(128, 128, 64, 8, 4, 4, 2), "~128 tokens/expert: half-block steps, deeper pipeline"),
+    ],
     ("quantize_fp8", "interpret"): [
         (QuantizeConfig(32, 32, 8, 32, 32, 16, 4, 1), "interpreter: small tiles")
     ],
@@ -115,6 +137,8 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
     ("quantize_fp8", "cuda"): [(QuantizeConfig(), "untuned")],
     ("m_grouped_fp8", "cuda"): [(M(64, 64, 64, 8, 4, 2), "untuned; FP8 tensor cores need sm89+")],
     ("k_grouped_fp8", "cuda"): [(K(64, 64, 64, 8, 4, 2), "untuned; FP8 tensor cores need sm89+")],
+    ("m_grouped_fp8_fast", "cuda"): [(M(64, 64, 64, 8, 4, 2), "untuned; FP8 tensor cores need sm89+")],
+    ("k_grouped_fp8_fast", "cuda"): [(K(64, 64, 64, 8, 4, 2), "untuned; FP8 tensor cores need sm89+")],
     ("m_grouped", "cuda"): [(M(64, 64, 32, 8, 4, 2), "pre-Hopper fallback, untuned")],
     ("k_grouped", "cuda"): [(K(64, 64, 32, 8, 4, 2), "pre-Hopper fallback, untuned")],
 }

@@ -66,6 +66,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     fp8.add_argument("--fp8", action="store_true", help="run the FP8 benchmark instead of the BF16 one")
     fp8.add_argument("--fp8-recipes", default="tensorwise,rowwise,blockwise")
     fp8.add_argument(
+        "--fp8-tune-modes",
+        default="promoted,fast",
+        help="with --tune: accumulation modes to tune (promoted: fp32 every 128 of K; fast: fast_accum)",
+    )
+    fp8.add_argument(
         "--fp8-step-cases", default="", help="cases for a GroupedLinear fwd+bwd step, BF16 vs each recipe"
     )
     return p.parse_args(argv)
@@ -127,6 +132,7 @@ def main(argv=None) -> int:
     if jagged is not None and (not jagged or min(jagged) < 0):
         raise SystemExit(f"--jagged-splits needs non-negative sizes, got {args.jagged_splits!r}")
     if args.fp8:
+        from moegemm import configs
         from moegemm.bench import fp8
 
         out = (
@@ -142,6 +148,8 @@ def main(argv=None) -> int:
             timing.TimingConfig.quick() if args.quick else timing.TimingConfig(),
             out,
             [shapes.get(name) for name in _csv(args.fp8_step_cases)],
+            tune_dir=(args.cache_dir or configs.CACHE_DIR) if args.tune else None,
+            tune_modes=_csv(args.fp8_tune_modes),
         )
         return 0
     impls = registry.select(_csv(args.impls) or (["moegemm"] if args.tune else None))

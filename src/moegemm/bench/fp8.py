@@ -76,11 +76,26 @@ def _wgrad_ref(a, b, sizes):
     return torch.stack(out)
 
 
+def _op_calls(op, fast, x_q, w_q, dy_q, gs, sizes):
+    """(moegemm's call, its fp32 reference) for one op on quantized operands."""
+    if op == "fwd":
+        fn = lambda: m_grouped_mm_fp8(x_q, w_q, gs, fast_accum=fast)  # noqa: E731
+        ref = lambda: _grouped_ref(x_q.dequantize(), w_q.dequantize(), sizes)  # noqa: E731
+    elif op == "dgrad":
+        w_t = w_q.t()
+        fn = lambda: m_grouped_mm_fp8(dy_q, w_t, gs, fast_accum=fast)  # noqa: E731
+        ref = lambda: _grouped_ref(dy_q.dequantize(), w_t.dequantize(), sizes)  # noqa: E731
+    else:
+        fn = lambda: k_grouped_mm_fp8(dy_q, x_q, gs, fast_accum=fast)  # noqa: E731
+        ref = lambda: _wgrad_ref(dy_q.dequantize_t(), x_q.dequantize_t(), sizes)  # noqa: E731
+    return fn, ref
+
+
 class Fp8Bench:
     def __init__(self, device: torch.device, cfg: timing.TimingConfig, seed: int = 0) -> None:
         self.device, self.cfg, self.seed = device, cfg, seed
         self.rows: list[Row] = []
-        self.extra: dict = {"quantize": [], "grouped_linear_step": [], "dense_fp8_tflops": {}}
+        self.extra: dict = {"quantize": [], "grouped_linear_step": [], "dense_fp8_tflops": {}, "tune": []}
 
     def time(self, fn) -> float:
         return timing.median_ms(fn, self.device, "events", self.cfg)
@@ -131,29 +146,14 @@ class Fp8Bench:
 
     def moegemm(self, case, op, recipe, fast, x, dy, x_q, w_q, dy_q, gs, sizes, dense_rate) -> None:
         impl = f"moegemm-fp8{'-fast' if fast else ''}"
-        if op == "fwd":
-            fn = lambda: m_grouped_mm_fp8(x_q, w_q, gs, fast_accum=fast)  # noqa: E731
-            qfn = lambda: m_grouped_mm_fp8(
-                quantize_fp8(x, recipe, group_sizes=gs, transpose=True),
-                w_q,
-                gs,  # noqa: E731
-                fast_accum=fast,
-            )
-            ref = lambda: _grouped_ref(x_q.dequantize(), w_q.dequantize(), sizes)  # noqa: E731
-        elif op == "dgrad":
-            w_t = w_q.t()
-            fn = lambda: m_grouped_mm_fp8(dy_q, w_t, gs, fast_accum=fast)  # noqa: E731
-            qfn = lambda: m_grouped_mm_fp8(
-                quantize_fp8(dy, recipe, group_sizes=gs, transpose=True),
-                w_t,
-                gs,  # noqa: E731
-                fast_accum=fast,
-            )
-            ref = lambda: _grouped_ref(dy_q.dequantize(), w_t.dequantize(), sizes)  # noqa: E731
-        else:
-            fn = lambda: k_grouped_mm_fp8(dy_q, x_q, gs)  # noqa: E731
+        fn, ref = _op_calls(op, fast, x_q, w_q, dy_q, gs, sizes)
+        if op == "wgrad":
             qfn = None
-            ref = lambda: _wgrad_ref(dy_q.dequantize_t(), x_q.dequantize_t(), sizes)  # noqa: E731
+        else:
+            a, b = (x, w_q) if op == "fwd" else (dy, w_q.t())
+            qfn = lambda: m_grouped_mm_fp8(  # noqa: E731
+                quantize_fp8(a, recipe, group_sizes=gs, transpose=True), b, gs, fast_accum=fast
+            )
         row = Row(case.name, op, impl, recipe)
         err = relerr(fn().float(), ref())
         row.relerr = err
@@ -255,6 +255,55 @@ class Fp8Bench:
         self.extra["dense_fp8_tflops"][case.name] = rates
         return rates.get("tensorwise")
 
+    def tune(self, case: shapes.Case, ops, recipes, modes=("promoted", "fast")) -> dict[str, dict]:
+        """Times every candidate config of each (op, recipe, accumulation mode) on this case; returns
+        the winners by the cache key the launcher looks up (recorded by ``harness.config_spy``)."""
+        from moegemm import configs
+        from moegemm.bench import harness, tune
+        from moegemm.torch._launch_fp8 import fp8_op
+
+        G, M, K, N = case.G, case.M, case.K, case.N
+        sizes = shapes.group_sizes(M, G, seed=self.seed)
+        gs = torch.tensor(sizes, dtype=torch.int32, device=self.device)
+        gen = torch.Generator(device=self.device).manual_seed(self.seed)
+        x = torch.randn(M, K, device=self.device, generator=gen).to(torch.bfloat16)
+        w = (torch.randn(G, N, K, device=self.device, generator=gen) * K**-0.5).to(torch.bfloat16)
+        dy = torch.randn(M, N, device=self.device, generator=gen).to(torch.bfloat16)
+        winners = {}
+        for recipe in recipes:
+            x_q = quantize_fp8(x, recipe, group_sizes=gs, transpose=True)
+            w_q = quantize_fp8(w, recipe, transpose=True)
+            dy_q = quantize_fp8(dy, recipe, group_sizes=gs, transpose=True)
+            for op in ops:
+                for fast in (False, True) if recipe != "blockwise" else (False,):
+                    if ("fast" if fast else "promoted") not in modes:
+                        continue
+                    fn, ref = _op_calls(op, fast, x_q, w_q, dy_q, gs, sizes)
+                    want = ref()
+                    kind = fp8_op("k_grouped_fp8" if op == "wgrad" else "m_grouped_fp8", recipe, fast)
+                    trial = []
+                    for config in configs.candidates(kind, "sm90"):
+                        seen: list[dict] = []
+                        rec = {"case": case.name, "op": op, "recipe": recipe, "fast_accum": fast}
+                        rec["config"] = dataclasses.asdict(config)
+                        try:
+                            with tune.force_config(config), harness.config_spy(seen):
+                                err = relerr(fn().float(), want)
+                                rec.update(relerr=err, cache_key=seen[0]["cache_key"])
+                                if err <= TOLERANCE:
+                                    rec["ms"] = self.time(fn)
+                        except Exception as exc:  # noqa: BLE001 - a config that fails is a result
+                            rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                        trial.append(rec)
+                    ok = [r for r in trial if r.get("ms") is not None]
+                    if ok:
+                        best = min(ok, key=lambda r: r["ms"])
+                        best["best"] = True
+                        winners[best["cache_key"]] = best["config"]
+                    self.extra["tune"].extend(trial)
+            del x_q, w_q, dy_q
+        return winners
+
     def quantize_bandwidth(self, case, recipe, x, gs) -> None:
         M, K = x.shape
         ms = self.time(lambda: quantize_fp8(x, recipe, group_sizes=gs, transpose=True))
@@ -309,12 +358,38 @@ class Fp8Bench:
             torch.cuda.empty_cache()
 
 
-def run(cases, ops, recipes, device, cfg, out: Path | None, step_cases=()) -> dict:
+def run(
+    cases,
+    ops,
+    recipes,
+    device,
+    cfg,
+    out: Path | None,
+    step_cases=(),
+    tune_dir: Path | None = None,
+    tune_modes=("promoted", "fast"),
+) -> dict:
+    """The FP8 benchmark; with ``tune_dir``, first times every candidate config per (case, op,
+    recipe, accumulation mode) and merges the winners into ``tune_dir``/<device>.json (loaded by
+    ``moegemm.configs`` when it is the committed directory), then benchmarks with them."""
     from rich.console import Console
     from rich.table import Table
 
     bench = Fp8Bench(device, cfg)
     console = Console(width=180)
+    if tune_dir is not None:
+        from moegemm import configs
+        from moegemm.bench import tune
+
+        for case in cases:
+            console.print(f"[bold]tune[/] {case.name}")
+            winners = bench.tune(case, ops, recipes, tune_modes)
+            path = tune.write_cache(torch.cuda.get_device_name(device), winners, tune_dir)
+            console.print(f"  {len(winners)} winners merged into {path}")
+        if Path(tune_dir).resolve() != configs.CACHE_DIR.resolve():
+            # Benchmark with what was just tuned, not with the committed cache.
+            configs.CACHE_DIR = Path(tune_dir)
+        configs.load_cache.cache_clear()
     for case in cases:
         console.print(f"[bold]{case.name}[/] G={case.G} M={case.M} K={case.K} N={case.N}")
         bench.case(case, ops, recipes)

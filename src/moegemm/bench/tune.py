@@ -27,16 +27,18 @@ OP_KIND = {"fwd": "m_grouped", "dgrad": "m_grouped", "wgrad": "k_grouped"}
 @contextlib.contextmanager
 def force_config(config):
     """Every ``configs.pick_config`` call returns ``config`` (the launchers look it up per call)."""
-    from moegemm.torch import _launch
+    from moegemm.torch import _launch, _launch_fp8
 
     original = configs.pick_config
     configs.pick_config = lambda op, target, **kwargs: config
     _launch.clear_launch_cache()
+    _launch_fp8.clear_launch_cache()
     try:
         yield
     finally:
         configs.pick_config = original
         _launch.clear_launch_cache()
+        _launch_fp8.clear_launch_cache()
 
 
 def tune(

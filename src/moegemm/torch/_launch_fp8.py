@@ -34,14 +34,26 @@ def clear_launch_cache() -> None:
         launch.clear()
 
 
+def fp8_op(op: str, recipe: str, fast_accum: bool) -> str:
+    """The config table of a launch: fast accumulation (tensorwise/rowwise) has its own tiles."""
+    return f"{op}_fast" if fast_accum and recipe != "blockwise" else op
+
+
+def fp8_key_dtype(recipe: str, dtype, fast_accum: bool) -> str:
+    """The dtype part of a tuned-cache key. With fast accumulation, tensorwise and rowwise run the
+    same main loop (their scales differ only in the epilogue), so they share tuned configs."""
+    name = _dtype_name(dtype)
+    return name if fast_accum and recipe != "blockwise" else f"{recipe}-{name}"
+
+
 @functools.lru_cache(maxsize=4096)
 def _m_launch(M, N, K, G, recipe, dtype, device, max_stride, has_bias, fast_accum) -> MGroupedFp8Launch:
     target, device_name, programs = _target(device)
     config = configs.pick_config(
-        "m_grouped_fp8",
+        fp8_op("m_grouped_fp8", recipe, fast_accum),
         target,
         device_name=device_name,
-        dtype=f"{recipe}-{_dtype_name(dtype)}",
+        dtype=fp8_key_dtype(recipe, dtype, fast_accum),
         G=G,
         N=N,
         K=K,
@@ -66,10 +78,10 @@ def _m_launch(M, N, K, G, recipe, dtype, device, max_stride, has_bias, fast_accu
 def _k_launch(M, N, K, G, recipe, dtype, device, max_stride, accumulate, fast_accum) -> KGroupedFp8Launch:
     target, device_name, programs = _target(device)
     config = configs.pick_config(
-        "k_grouped_fp8",
+        fp8_op("k_grouped_fp8", recipe, fast_accum),
         target,
         device_name=device_name,
-        dtype=f"{recipe}-{_dtype_name(dtype)}",
+        dtype=fp8_key_dtype(recipe, dtype, fast_accum),
         G=G,
         N=N,
         K=K,
