@@ -64,6 +64,22 @@ def _cast(x, scale, FP8_MAX: tl.constexpr, dtype: tl.constexpr, EMULATE_CAST: tl
 
 
 @triton.jit
+def _cast_apart(x, scale, FP8_MAX: tl.constexpr, dtype: tl.constexpr, EMULATE_CAST: tl.constexpr):
+    """The bytes of _cast(x, scale), computed as -_cast(-x, scale) so they are not the same values as
+    the untransposed copy's.
+
+    The bundled ptxas (12.9) miscompiles a kernel that stores FP8 values and also stores them
+    transposed through a layout conversion: on the H100 a tensorwise data_t (C = 48) came out as
+    foreign bytes, while blockwise, whose transposed copy has its own scales, was right.
+    https://github.com/triton-lang/triton/issues/11111 (reported fixed by ptxas 13.3). Negation is
+    exact (a sign-bit flip on both sides, and the rounding and clamp are symmetric), so the bytes
+    equal the twin's.
+    """
+    neg_x = (x.to(tl.int32, bitcast=True) ^ -(2**31)).to(tl.float32, bitcast=True)
+    return _cast(neg_x, scale, FP8_MAX, dtype, EMULATE_CAST).to(tl.uint8, bitcast=True) ^ 0x80
+
+
+@triton.jit
 def _round_to_grid(v, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
     """v rounded to the nearest (ties to even) value with MANTISSA bits, subnormals below 2^MIN_EXP."""
     exp = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
@@ -131,7 +147,7 @@ def fp8_quantize_tiles_kernel(
     amax_ptr,  # TENSOR: the [G] group amax from fp8_group_amax_kernel
     q_ptr,
     s_ptr,
-    qt_ptr,
+    qt_ptr,  # data_t as uint8: the transposed copy is stored as bytes (see _cast_apart)
     st_ptr,
     R,
     C,
@@ -200,7 +216,8 @@ def fp8_quantize_tiles_kernel(
             # Scalar masks are refused by triton 3.9's interpreter: load in bounds, then select.
             scale = _scale(tl.where(g < G, tl.load(amax_ptr + tl.minimum(g, G - 1)), 0.0), FP8_MAX)
             q = _cast(x, scale, FP8_MAX, dtype, EMULATE_CAST)
-            qt = q
+            if WRITE_T:
+                qt_bits = _cast_apart(x, scale, FP8_MAX, dtype, EMULATE_CAST)
         elif SCALING == 1:
             row_scale = _scale(tl.max(tl.abs(x), 1), FP8_MAX)  # [BLOCK_R]: 1x128 along C
             q = _cast(x, row_scale[:, None], FP8_MAX, dtype, EMULATE_CAST)
@@ -208,7 +225,9 @@ def fp8_quantize_tiles_kernel(
             tl.store(s_ptrs, row_scale, mask=offs_r < rows)
             if WRITE_T:
                 col_scale = _scale(tl.max(tl.abs(x), 0), FP8_MAX)  # [BLOCK_C]: 128x1 along R
-                qt = _cast(x, col_scale[None, :], FP8_MAX, dtype, EMULATE_CAST)
+                qt_bits = _cast(x, col_scale[None, :], FP8_MAX, dtype, EMULATE_CAST).to(
+                    tl.uint8, bitcast=True
+                )
                 st_ptrs = (
                     st_ptr + (block_base + m_tile).to(tl.int64) * stride_stb + (col0 + offs_c) * stride_stc
                 )
@@ -216,7 +235,8 @@ def fp8_quantize_tiles_kernel(
         else:
             scale = _scale(tl.max(tl.max(tl.abs(x), 1), 0), FP8_MAX)  # one per 128x128 block
             q = _cast(x, scale, FP8_MAX, dtype, EMULATE_CAST)
-            qt = q
+            if WRITE_T:
+                qt_bits = _cast_apart(x, scale, FP8_MAX, dtype, EMULATE_CAST)
             s_off = (
                 g.to(tl.int64) * stride_sg + m_tile.to(tl.int64) * stride_sr + n_tile.to(tl.int64) * stride_sc
             )
@@ -244,7 +264,7 @@ def fp8_quantize_tiles_kernel(
             # past the group), which the wgrad kernel's 16-wide loads read.
             # (g < G folds into the bound: triton 3.9's interpreter refuses a scalar and-ed into a mask.)
             t_rows = tl.where(g < G, tl.cdiv(rows, T_ALIGN) * T_ALIGN, 0)
-            tl.store(t_ptrs, tl.trans(qt), mask=col_mask[:, None] & (offs_r < t_rows)[None, :])
+            tl.store(t_ptrs, tl.trans(qt_bits), mask=col_mask[:, None] & (offs_r < t_rows)[None, :])
 
 
 @triton.jit
@@ -319,6 +339,7 @@ def fp8_quantize_cols_kernel(
     EMULATE_CAST: tl.constexpr,  # interpreter only
 ):
     # One program per (group, column tile).
+    fp8_type: tl.constexpr = tl.float8e4nv if FP8_MAX == 448.0 else tl.float8e5  # qt_ptr is uint8
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(C, BLOCK_C)
     g = pid // n_tiles
@@ -353,9 +374,9 @@ def fp8_quantize_cols_kernel(
             mask=(offs_r < end - r)[:, None] & col_mask[None, :],
             other=0.0,
         )
-        qt = _cast(x.to(tl.float32), scale[None, :], FP8_MAX, qt_ptr.dtype.element_ty, EMULATE_CAST)
+        qt = _cast(x.to(tl.float32), scale[None, :], FP8_MAX, fp8_type, EMULATE_CAST)
         tl.store(
             t_base + (r - start + offs_r)[None, :] * stride_tr,
-            tl.trans(qt),
+            tl.trans(qt.to(tl.uint8, bitcast=True)),
             mask=col_mask[:, None] & (offs_r < t_end - r)[None, :],
         )

@@ -203,7 +203,7 @@ def launch_quantize_fp8(
             t_strides = (qt.stride(0), qt.stride(1), qt.stride(2)) if qt.dim() == 3 else (0, *qt.stride())
             QUANTIZE_COLS.launch(
                 ("cols", x.device, R, C, G, has_sizes, qt.dim(), fp8_max),
-                (x, sizes, qt, st),
+                (x, sizes, qt.view(torch.uint8), st),
                 (R, C, G, rows_per_group, *x.stride(), *t_strides, *st.stride()),
                 lambda: _Grid(
                     (G * triton.cdiv(C, config.col_block),),
@@ -262,7 +262,7 @@ def launch_quantize_fp8(
     wide = 2 * max(block_r, block_c) * max_stride >= 2**31 or x.numel() >= 2**31
     QUANTIZE_TILES.launch(
         ("tiles", x.device, R, C, G, has_sizes, scaling, write_t, t_local, fp8_max, wide, block_r),
-        (x, sizes, amax if scaling == qk.TENSOR else s, q, s, qt, st),
+        (x, sizes, amax if scaling == qk.TENSOR else s, q, s, qt.view(torch.uint8), st),
         (R, C, G, rows_per_group, *x.stride(), *q.stride(), *t_strides, *s_strides, *st_strides),
         lambda: _Grid(
             (n_prog,),
