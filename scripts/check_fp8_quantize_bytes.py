@@ -37,6 +37,9 @@ for dtype in (torch.float32, torch.bfloat16):
                     rows.append(dict(dtype=str(dtype), C=C, recipe=recipe, kind=kind, field=f, mismatches=n))
                 for f in ("scale", "scale_t"):
                     a, b = getattr(q, f), getattr(r, f)
+                    if kind == "act" and f == "scale_t" and recipe == "blockwise":
+                        used = sum(fp8.cdiv(s, 128) for s in gs)  # block rows of the groups
+                        a, b = a[:used], b[:used]
                     if a is not None and a.numel():
                         n = int((a.cpu() != b).sum())
                         bad += n

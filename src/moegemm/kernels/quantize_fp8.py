@@ -6,9 +6,10 @@ The input is a matrix x [R, C] whose rows form groups: activations [M, K] split 
 
 Kernels (each reads x once, except where a scale needs the whole row or group before the first cast):
 
-- ``fp8_quantize_tiles_kernel``: blockwise in one pass. Group-aligned [BLOCK_R, BLOCK_C] tiles give
-  the 1x128 row scales and the 128x1 column scales of the transposed copy (activations), or the
-  128x128 block scale (weights), from the same loaded tile; data and data_t are written from it.
+- ``fp8_quantize_tiles_kernel``: blockwise. Group-aligned [BLOCK_R, BLOCK_C] tiles give the 1x128
+  row scales and data (one launch), and the 128x1 column scales and data_t of the transposed copy
+  (a second launch over the same tiles: one kernel storing both miscompiles, see the kernel), or
+  the 128x128 block scale (weights).
   Also the cast pass of tensorwise, whose per-group amax ``fp8_group_amax_kernel`` computed first:
   current scaling needs the amax of the whole group before the first element is cast.
 - ``fp8_quantize_rows_kernel``: rowwise, one scale per row, in two sweeps over each row (amax,
@@ -61,22 +62,6 @@ def _cast(x, scale, FP8_MAX: tl.constexpr, dtype: tl.constexpr, EMULATE_CAST: tl
         else:
             q = _round_to_grid(q, 2, -14)  # float8_e5m2
     return q.to(dtype)
-
-
-@triton.jit
-def _cast_apart(x, scale, FP8_MAX: tl.constexpr, dtype: tl.constexpr, EMULATE_CAST: tl.constexpr):
-    """The bytes of _cast(x, scale), computed as -_cast(-x, scale) so they are not the same values as
-    the untransposed copy's.
-
-    The bundled ptxas (12.9) miscompiles a kernel that stores FP8 values and also stores them
-    transposed through a layout conversion: on the H100 a tensorwise data_t (C = 48) came out as
-    foreign bytes, while blockwise, whose transposed copy has its own scales, was right.
-    https://github.com/triton-lang/triton/issues/11111 (reported fixed by ptxas 13.3). Negation is
-    exact (a sign-bit flip on both sides, and the rounding and clamp are symmetric), so the bytes
-    equal the twin's.
-    """
-    neg_x = (x.to(tl.int32, bitcast=True) ^ -(2**31)).to(tl.float32, bitcast=True)
-    return _cast(neg_x, scale, FP8_MAX, dtype, EMULATE_CAST).to(tl.uint8, bitcast=True) ^ 0x80
 
 
 @triton.jit
@@ -147,7 +132,7 @@ def fp8_quantize_tiles_kernel(
     amax_ptr,  # TENSOR: the [G] group amax from fp8_group_amax_kernel
     q_ptr,
     s_ptr,
-    qt_ptr,  # data_t as uint8: the transposed copy is stored as bytes (see _cast_apart)
+    qt_ptr,  # data_t as uint8
     st_ptr,
     R,
     C,
@@ -171,7 +156,8 @@ def fp8_quantize_tiles_kernel(
     BLOCK_G: tl.constexpr,
     HAS_SIZES: tl.constexpr,
     SCALING: tl.constexpr,
-    WRITE_T: tl.constexpr,
+    WRITE_Q: tl.constexpr,  # data and scale
+    WRITE_T: tl.constexpr,  # data_t and scale_t; never both in one launch (see below)
     T_GROUP_LOCAL: tl.constexpr,
     FP8_MAX: tl.constexpr,
     EMULATE_CAST: tl.constexpr,  # interpreter only
@@ -183,7 +169,13 @@ def fp8_quantize_tiles_kernel(
     n_tiles = tl.cdiv(C, BLOCK_C)
     starts, ends, m_tiles, tile_ends, total = row_tile_space(offs, starts, ends, G, R, n_tiles, BLOCK_R)
     dtype = q_ptr.dtype.element_ty
-    if SCALING == 0:
+    # One launch stores data and scale (WRITE_Q), a second one the transposed copy (WRITE_T), each
+    # from its own read of x. In one launch the bundled ptxas (12.9) miscompiles the transposed store
+    # of FP8 values that are also stored untransposed: on the H100 a tensorwise data_t came out as
+    # foreign bytes, silently (three rewrites that kept both stores in one kernel each failed on other
+    # widths or input dtypes). https://github.com/triton-lang/triton/issues/11111: "needs both stores
+    # present", fixed by ptxas 13.3. The price is a second read of x (2 of 6 bytes per element).
+    if SCALING == 0 and WRITE_Q:
         # Every group's scale, empty groups included (they have no tiles to write it).
         if pid == 0:
             amax = tl.load(amax_ptr + offs, mask=offs < G, other=0.0)
@@ -216,18 +208,15 @@ def fp8_quantize_tiles_kernel(
             # Scalar masks are refused by triton 3.9's interpreter: load in bounds, then select.
             scale = _scale(tl.where(g < G, tl.load(amax_ptr + tl.minimum(g, G - 1)), 0.0), FP8_MAX)
             q = _cast(x, scale, FP8_MAX, dtype, EMULATE_CAST)
-            if WRITE_T:
-                qt_bits = _cast_apart(x, scale, FP8_MAX, dtype, EMULATE_CAST)
         elif SCALING == 1:
-            row_scale = _scale(tl.max(tl.abs(x), 1), FP8_MAX)  # [BLOCK_R]: 1x128 along C
-            q = _cast(x, row_scale[:, None], FP8_MAX, dtype, EMULATE_CAST)
-            s_ptrs = s_ptr + (row0 + offs_r) * stride_sr + n_tile.to(tl.int64) * stride_sc
-            tl.store(s_ptrs, row_scale, mask=offs_r < rows)
-            if WRITE_T:
+            if WRITE_Q:
+                row_scale = _scale(tl.max(tl.abs(x), 1), FP8_MAX)  # [BLOCK_R]: 1x128 along C
+                q = _cast(x, row_scale[:, None], FP8_MAX, dtype, EMULATE_CAST)
+                s_ptrs = s_ptr + (row0 + offs_r) * stride_sr + n_tile.to(tl.int64) * stride_sc
+                tl.store(s_ptrs, row_scale, mask=offs_r < rows)
+            else:
                 col_scale = _scale(tl.max(tl.abs(x), 0), FP8_MAX)  # [BLOCK_C]: 128x1 along R
-                qt_bits = _cast(x, col_scale[None, :], FP8_MAX, dtype, EMULATE_CAST).to(
-                    tl.uint8, bitcast=True
-                )
+                q = _cast(x, col_scale[None, :], FP8_MAX, dtype, EMULATE_CAST)
                 st_ptrs = (
                     st_ptr + (block_base + m_tile).to(tl.int64) * stride_stb + (col0 + offs_c) * stride_stc
                 )
@@ -235,21 +224,20 @@ def fp8_quantize_tiles_kernel(
         else:
             scale = _scale(tl.max(tl.max(tl.abs(x), 1), 0), FP8_MAX)  # one per 128x128 block
             q = _cast(x, scale, FP8_MAX, dtype, EMULATE_CAST)
-            if WRITE_T:
-                qt_bits = _cast_apart(x, scale, FP8_MAX, dtype, EMULATE_CAST)
             s_off = (
                 g.to(tl.int64) * stride_sg + m_tile.to(tl.int64) * stride_sr + n_tile.to(tl.int64) * stride_sc
             )
-            if g < G:
+            if WRITE_Q and g < G:
                 tl.store(s_ptr + s_off, scale)
-        q_ptrs = (
-            q_ptr
-            + row0 * stride_qr
-            + col0 * stride_qc
-            + offs_r[:, None] * stride_qr
-            + offs_c[None, :] * stride_qc
-        )
-        tl.store(q_ptrs, q, mask=mask)
+        if WRITE_Q:
+            q_ptrs = (
+                q_ptr
+                + row0 * stride_qr
+                + col0 * stride_qc
+                + offs_r[:, None] * stride_qr
+                + offs_c[None, :] * stride_qc
+            )
+            tl.store(q_ptrs, q, mask=mask)
         if WRITE_T:
             # Group g's rows go to its own columns of data_t (group-local for a weight, from a
             # T_ALIGN-aligned offset for activations); rows past the last group have no columns there.
@@ -264,7 +252,8 @@ def fp8_quantize_tiles_kernel(
             # past the group), which the wgrad kernel's 16-wide loads read.
             # (g < G folds into the bound: triton 3.9's interpreter refuses a scalar and-ed into a mask.)
             t_rows = tl.where(g < G, tl.cdiv(rows, T_ALIGN) * T_ALIGN, 0)
-            tl.store(t_ptrs, tl.trans(qt_bits), mask=col_mask[:, None] & (offs_r < t_rows)[None, :])
+            qt = tl.trans(q.to(tl.uint8, bitcast=True))
+            tl.store(t_ptrs, qt, mask=col_mask[:, None] & (offs_r < t_rows)[None, :])
 
 
 @triton.jit
@@ -358,13 +347,14 @@ def fp8_quantize_cols_kernel(
         amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), 0))
     scale = _scale(amax, FP8_MAX)
     tl.store(st_ptr + g.to(tl.int64) * stride_stg + (col0 + offs_c) * stride_stc, scale, mask=col_mask)
+    # data_t as bytes (uint8): this kernel's transposed FP8 values are the only ones it stores, and its
+    # bytes came out right on the H100 for every width checked (scripts/check_fp8_quantize_bytes.py),
+    # whereas packing token pairs into 16-bit words did not (fp32 inputs, C a multiple of 16).
     if T_GROUP_LOCAL:
         t_base = qt_ptr + g.to(tl.int64) * stride_tg
     else:
-        t_base = (
-            qt_ptr
-            + pick(aligned_group_offsets(offs, starts, ends, G, T_ALIGN), offs, g) * T_ALIGN * stride_tr
-        )
+        t_units = pick(aligned_group_offsets(offs, starts, ends, G, T_ALIGN), offs, g)
+        t_base = qt_ptr + t_units * T_ALIGN * stride_tr
     t_base += (col0 + offs_c[:, None]) * stride_tc
     # Through the group's 16-aligned end, zeros past it (see fp8_quantize_tiles_kernel).
     t_end = start + tl.cdiv(end - start, T_ALIGN) * T_ALIGN

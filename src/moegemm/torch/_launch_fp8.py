@@ -200,7 +200,7 @@ def launch_quantize_fp8(
             ),
         )
         if qt is not None:
-            t_strides = (qt.stride(0), qt.stride(1), qt.stride(2)) if qt.dim() == 3 else (0, *qt.stride())
+            t_strides = qt.stride() if qt.dim() == 3 else (0, *qt.stride())
             QUANTIZE_COLS.launch(
                 ("cols", x.device, R, C, G, has_sizes, qt.dim(), fp8_max),
                 (x, sizes, qt.view(torch.uint8), st),
@@ -248,9 +248,11 @@ def launch_quantize_fp8(
     n_prog = max(1, min(tiles, programs * config.ctas_per_sm))
     write_t = qt is not None
     t_local = write_t and qt.dim() == 3
-    if not write_t:
-        qt, st = q, s
-    t_strides = (qt.stride(0), qt.stride(1), qt.stride(2)) if t_local else (0, *qt.stride()[-2:])
+    if write_t:
+        qt8 = qt.view(torch.uint8)
+        t_strides = qt8.stride() if t_local else (0, *qt8.stride())
+    else:
+        qt8, st, t_strides = q.view(torch.uint8), s, (0, 0, 0)
     # Scale strides by mode: TENSOR s[g]; BLOCK_1X128 s[row, kb] and st[blk, col]; BLOCK_128X128 s[g, nb, kb].
     if scaling == qk.TENSOR:
         s_strides, st_strides = (s.stride(0), 0, 0), (0, 0)
@@ -260,28 +262,31 @@ def launch_quantize_fp8(
         s_strides, st_strides = s.stride(), (0, 0)
     max_stride = max(map(abs, (*x.stride(), *q.stride(), *t_strides)))
     wide = 2 * max(block_r, block_c) * max_stride >= 2**31 or x.numel() >= 2**31
-    QUANTIZE_TILES.launch(
-        ("tiles", x.device, R, C, G, has_sizes, scaling, write_t, t_local, fp8_max, wide, block_r),
-        (x, sizes, amax if scaling == qk.TENSOR else s, q, s, qt.view(torch.uint8), st),
-        (R, C, G, rows_per_group, *x.stride(), *q.stride(), *t_strides, *s_strides, *st_strides),
-        lambda: _Grid(
-            (n_prog,),
-            dict(
-                NUM_PROGRAMS=n_prog,
-                BLOCK_R=block_r,
-                BLOCK_C=block_c,
-                BLOCK_G=bg,
-                HAS_SIZES=has_sizes,
-                SCALING=scaling,
-                WRITE_T=write_t,
-                T_GROUP_LOCAL=t_local,
-                FP8_MAX=fp8_max,
-                EMULATE_CAST=INTERPRET,
-                WIDE_OFFSETS=wide,
-                num_warps=config.num_warps,
+    # data/scale and the transposed copy come from separate launches (fp8_quantize_tiles_kernel says why).
+    for write_q in (True, False) if write_t else (True,):
+        QUANTIZE_TILES.launch(
+            ("tiles", x.device, R, C, G, has_sizes, scaling, write_q, t_local, fp8_max, wide, block_r),
+            (x, sizes, amax if scaling == qk.TENSOR else s, q, s, qt8, st),
+            (R, C, G, rows_per_group, *x.stride(), *q.stride(), *t_strides, *s_strides, *st_strides),
+            lambda write_q=write_q: _Grid(
+                (n_prog,),
+                dict(
+                    NUM_PROGRAMS=n_prog,
+                    BLOCK_R=block_r,
+                    BLOCK_C=block_c,
+                    BLOCK_G=bg,
+                    HAS_SIZES=has_sizes,
+                    SCALING=scaling,
+                    WRITE_Q=write_q,
+                    WRITE_T=not write_q,
+                    T_GROUP_LOCAL=t_local,
+                    FP8_MAX=fp8_max,
+                    EMULATE_CAST=INTERPRET,
+                    WIDE_OFFSETS=wide,
+                    num_warps=config.num_warps,
+                ),
             ),
-        ),
-    )
+        )
 
 
 class _Grid:

@@ -71,7 +71,7 @@ def _quantize_forward(x, group_sizes, recipe, dtype, transpose, G, backend):
         rows = x.reshape(G * N, K)
         q = data_s.view(G * N, -1)[:, :K]
         s = scale_s.view(G * N) if recipe == "rowwise" else scale_s
-        qt = data_t_s[..., :N] if transpose else None
+        qt = data_t_s if transpose else None  # the whole padded storage (int16 words; see launcher)
         st = scale_t_s if recipe == "rowwise" else scale_s
         launch_quantize_fp8(rows, None, recipe, q, s, qt, st if transpose else None, rows_per_group=N, G=G)
     else:

@@ -21,7 +21,9 @@ def _fp8_max(dtype: torch.dtype) -> float:
 def scale_of(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """amax / FP8_MAX in fp32; 1 where amax is 0 (the kernels' rule)."""
     amax = amax.float()
-    return torch.where(amax > 0, amax / _fp8_max(dtype), torch.ones_like(amax))
+    # Divided by a tensor: on CUDA, torch divides by a Python scalar as a multiply by its reciprocal
+    # (1 ulp off the kernels' correctly rounded division).
+    return torch.where(amax > 0, amax / torch.full_like(amax, _fp8_max(dtype)), torch.ones_like(amax))
 
 
 def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
