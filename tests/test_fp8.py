@@ -59,7 +59,7 @@ class QuantizeTest:
             (64, 16, [0, 0]),  # every group empty: data 0, scales 1
             (45, 130, None),  # one group over all rows
             # K a multiple of 16: a different specialization, which the bundled ptxas miscompiled for
-            # the tensorwise transposed copy on the H100 (see quantize_fp8._cast_apart).
+            # the tensorwise transposed copy on the H100 (see fp8_quantize_tiles_kernel).
             (96, 48, [10, 33, 0, 0, 31, 22]),
             (200, 256, [120, 0, 80]),
         ],
