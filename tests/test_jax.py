@@ -220,6 +220,85 @@ class JaxOpsTest:
         assert_close(dx, dx_ref, F32, "dx")
         assert_close(dw, dw_ref[offset : offset + G_local], F32, "dw")
 
+    @pytest.mark.parametrize(
+        "name, offset, effective",
+        [("negative counts from the end", -2, 3), ("past the end is clamped", 99, 3), ("below -G", -99, 0)],
+    )
+    def test_group_offset_out_of_range(self, name, offset, effective):
+        """A device-side offset outside [0, G_total - G_local] is taken as dynamic_slice takes a start."""
+        global_sizes, M, K, N = [5, 0, 9, 6, 4], 30, 16, 20
+        x, w = randn(0, (M, K), F32), randn(1, (2, K, N), F32)
+        out = jax.jit(
+            lambda x, w, o: self.ragged_dot(x, w, jnp.asarray(global_sizes, jnp.int32), group_offset=o)
+        )(x, w, jnp.int32(offset))
+        w_full = np.zeros((5, K, N))
+        w_full[effective : effective + 2] = f64(w)
+        assert_close(out, oracle.m_grouped_mm(x, w_full, global_sizes), F32, name)
+
+    def test_group_offset_moves_no_rows(self):
+        """The expert-parallel path (forward, dx, dW) is kernel launches only: no roll, slice or
+        concatenation of the [M, K] / [M, N] rows around them (each would be a pass over HBM)."""
+        if self.BACKEND == "reference":
+            pytest.skip("the reference computes densely; the property is the kernels'")
+        self.expect_launch = False  # lowered, not run
+        gs, x, w = jnp.asarray([5, 0, 9, 6], jnp.int32), randn(0, (24, 16), BF16), randn(1, (2, 16, 8), BF16)
+        loss = lambda x, w, o: self.ragged_dot(x, w, gs, group_offset=o).astype(F32).sum()
+        text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w, jnp.int32(1)).as_text()
+        for op in ("concatenate", "dynamic_slice", "dynamic_update_slice", "gather", "scatter"):
+            assert f"stablehlo.{op}" not in text, f"{op} in the expert-parallel path"
+        calls = text.count("stablehlo.custom_call")
+        assert calls == 3, f"expected the fwd, dx and dW launches, found {calls} custom calls"
+
+    @pytest.mark.parametrize("transpose_w", [False, True], ids=["w[G,K,N]", "w[G,N,K]"])
+    def test_m_grouped_group_offset_grads(self, transpose_w):
+        """m_grouped_mm with a group offset, both weight layouts, bf16, and every input's gradient."""
+        global_sizes, M, K, N, offset = [7, 11, 0, 13, 2], 40, 24, 18, 1  # 7 unowned tail rows
+        G_local = 3
+        x, dy = randn(0, (M, K), BF16), randn(2, (M, N), BF16)
+        w = randn(1, (G_local, N, K) if transpose_w else (G_local, K, N), BF16)
+        gs = jnp.asarray(global_sizes, jnp.int32)
+        fn = lambda x, w: api.m_grouped_mm(
+            x, w, gs, transpose_w=transpose_w, group_offset=jnp.int32(offset), backend=self.BACKEND
+        )
+        out, vjp = jax.vjp(jax.jit(fn), x, w)
+        dx, dw = vjp(dy)
+        w_kn = np.swapaxes(f64(w), 1, 2) if transpose_w else f64(w)
+        w_full = np.zeros((len(global_sizes), K, N))
+        w_full[offset : offset + G_local] = w_kn
+        dx_ref, dw_ref = ragged_grads(x, w_full, global_sizes, dy)
+        dw_ref = dw_ref[offset : offset + G_local]
+        assert_close(out, oracle.m_grouped_mm(x, w_full, global_sizes), BF16, "fwd")
+        assert_close(dx, dx_ref, BF16, "dx")
+        assert_close(dw, np.swapaxes(dw_ref, 1, 2) if transpose_w else dw_ref, BF16, "dw")
+        # Rows outside the local groups (0..6 before them, 33..39 after them) are exact zeros.
+        for name, value in (("out", out), ("dx", dx)):
+            assert not np.asarray(value[:7]).any() and not np.asarray(value[33:]).any(), name
+
+    def test_k_grouped_group_offset_accumulate_and_grads(self):
+        """k_grouped_mm over groups [offset, offset + 2) of 4, read in place, into a buffer, with grads."""
+        global_sizes, M, K, N, offset = [9, 0, 14, 8], 36, 18, 26, 1  # local groups: empty and 14 rows
+        a, b = randn(0, (M, K), F32), randn(1, (M, N), F32)
+        c, dout = randn(2, (2, K, N), F32), randn(3, (2, K, N), F32)
+        gs = jnp.asarray(global_sizes, jnp.int32)
+        fn = lambda a, b, c: api.k_grouped_mm(
+            a, b, gs, accumulate=c, group_offset=jnp.int32(offset), num_groups=2, backend=self.BACKEND
+        )
+        out, vjp = jax.vjp(jax.jit(fn), a, b, c)
+        da, db, dc = vjp(dout)
+        sizes_local = [9, 0, 14]  # the rows before group 1 as a leading group, dropped
+        assert_close(
+            out, oracle.k_grouped_mm(a, b, sizes_local, c=np.concatenate([c[:1], c]))[1:], F32, "out"
+        )
+        np.testing.assert_array_equal(
+            out[0], c[0], err_msg="an empty local group leaves the buffer unchanged"
+        )
+        dout_full = np.concatenate([np.zeros((1, K, N)), f64(dout)])
+        da_ref = oracle.m_grouped_mm(b, np.swapaxes(dout_full, 1, 2), sizes_local)
+        db_ref = oracle.m_grouped_mm(a, dout_full, sizes_local)
+        assert_close(da, da_ref, F32, "da")
+        assert_close(db, db_ref, F32, "db")
+        np.testing.assert_array_equal(dc, dout)
+
     def test_m_grouped_transposed_weight(self):
         M, K, N, sizes = 29, 24, 18, [13, 0, 16]
         x, w_nk, dy = randn(0, (M, K), BF16), randn(1, (3, N, K), BF16), randn(2, (M, N), BF16)
@@ -359,6 +438,14 @@ def test_argument_errors_name_the_problem():
         api.ragged_dot(x.astype(jnp.int32), w.astype(jnp.int32), gs)
     with pytest.raises(ValueError, match="float32"):
         api.k_grouped_mm(x, x, gs, accumulate=jnp.ones((2, 8, 8), jnp.bfloat16))
+    with pytest.raises(TypeError, match="group_offset must be an integer scalar"):
+        api.ragged_dot(x, w, gs, group_offset=jnp.float32(0))
+    with pytest.raises(ValueError, match="fewer than the 2 local groups"):
+        api.ragged_dot(x, w, jnp.asarray([4], jnp.int32), group_offset=0)
+    with pytest.raises(ValueError, match="group_offset needs num_groups"):
+        api.k_grouped_mm(x, x, gs, group_offset=0)
+    with pytest.raises(ValueError, match="num_groups=1 differs"):
+        api.k_grouped_mm(x, x, gs, num_groups=1)
 
 
 def test_auto_reference_matches_lax_ragged_dot_exactly_shaped():
@@ -408,7 +495,17 @@ def test_group_layout_matches_host_bounds(sizes, M, offset, G_local):
     assert local_sizes.tolist() == [e - s for s, e in chosen]
 
 
-@pytest.mark.parametrize("which", ["m_grouped", "m_grouped_transposed", "k_grouped", "k_grouped_accumulate"])
+@pytest.mark.parametrize(
+    "which",
+    [
+        "m_grouped",
+        "m_grouped_transposed",
+        "m_grouped_offset",
+        "k_grouped",
+        "k_grouped_accumulate",
+        "k_grouped_offset",
+    ],
+)
 def test_launch_matches_kernel_signature(which):
     """The GPU glue's contract with jax-triton, checked without a GPU: the input arrays in parameter
     order, then the output pointer (jax-triton appends it), then every other parameter (sizes,
@@ -418,11 +515,13 @@ def test_launch_matches_kernel_signature(which):
     from moegemm.jax import _launch
 
     x, gs = jnp.ones((10, 6), BF16), jnp.asarray([4, 6], jnp.int32)
+    offset = jnp.int32(1) if which.endswith("offset") else None
+    G = 1 if offset is not None else 2
     if which.startswith("m_grouped"):
         transposed = which.endswith("transposed")
-        w = jnp.ones((2, 5, 6) if transposed else (2, 6, 5), BF16)
+        w = jnp.ones((G, 5, 6) if transposed else (G, 6, 5), BF16)
         call = _launch.m_grouped_mm_call(
-            x, w, gs, transpose_w=transposed, out_dtype=F32, target=_launch.INTERPRET
+            x, w, gs, transpose_w=transposed, out_dtype=F32, target=_launch.INTERPRET, group_offset=offset
         )
         strides = (
             dict(stride_wg=30, stride_wk=1, stride_wn=6)
@@ -432,12 +531,23 @@ def test_launch_matches_kernel_signature(which):
     else:
         c = jnp.zeros((2, 6, 5), F32) if which.endswith("accumulate") else None
         call = _launch.k_grouped_mm_call(
-            x, jnp.ones((10, 5), BF16), gs, c, out_dtype=F32, target=_launch.INTERPRET
+            x,
+            jnp.ones((10, 5), BF16),
+            gs,
+            c,
+            out_dtype=F32,
+            target=_launch.INTERPRET,
+            group_offset=offset,
+            num_groups=G,
         )
         strides = dict(
             stride_og=30, stride_ok=5, stride_on=1, stride_am=6, stride_ak=1, stride_bm=5, stride_bn=1
         )
-        assert call.input_output_aliases == ({} if c is None else {3: 0})
+        assert call.input_output_aliases == ({} if c is None else {4: 0})
+    # The group offset: int32 [1] in group_offset_ptr's slot (argument 3), or group_sizes filling it.
+    assert call.meta["HAS_GROUP_OFFSET"] == (offset is not None)
+    assert (call.meta["G"], call.meta["G_TOTAL"]) == (G, 2)
+    assert call.args[3].shape == ((1,) if offset is not None else (2,))
     params = list(inspect.signature(call.kernel.fn).parameters)
     assert params[len(call.args)] == "out_ptr", params
     assert all(isinstance(a, jax.Array) for a in call.args)

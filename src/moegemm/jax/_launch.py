@@ -93,10 +93,29 @@ def _launch_options(op: str, M: int, N: int, K: int, G: int, dtype, target: Targ
     )
 
 
+def _offset_arg(group_offset: jax.Array | None, group_sizes: jax.Array) -> jax.Array:
+    """The kernels' group_offset_ptr argument: the offset as int32 [1], or (no offset, never read)
+    group_sizes filling the slot."""
+    if group_offset is None:
+        return group_sizes
+    return jnp.asarray(group_offset, jnp.int32).reshape(1)
+
+
 def m_grouped_mm_call(
-    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, transpose_w: bool, out_dtype, target: Target
+    x: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    transpose_w: bool,
+    out_dtype,
+    target: Target,
+    group_offset: jax.Array | None = None,
 ) -> KernelCall:
-    """out [M, N] = for g: x[rows(g)] @ W[g], W = w [G, K, N], or w [G, N, K] read transposed."""
+    """out [M, N] = for g: x[rows(g)] @ W[g], W = w [G, K, N], or w [G, N, K] read transposed.
+
+    With ``group_offset`` (int32 scalar on the device), group_sizes has G_total entries and w holds
+    groups [offset, offset + G); rows of other groups come out 0 (expert parallelism, no row copies).
+    """
     M, K = x.shape
     if transpose_w:
         G, N, _ = w.shape
@@ -112,34 +131,75 @@ def m_grouped_mm_call(
         **_launch_options("m_grouped", M, N, K, G, x.dtype, target),
         max_stride=max(K, 1, stride_wk, stride_wn, N),
         w_k_contiguous=stride_wk == 1 and stride_wn != 1,
+        g_total=None if group_offset is None else group_sizes.shape[0],
     )
+    G_total = group_sizes.shape[0] if group_offset is not None else G
     sizes = dict(
-        M=M, N=N, K=K, G=G, stride_xm=K, stride_xk=1, stride_om=N, stride_on=1, stride_bg=0, stride_bn=0
+        M=M,
+        N=N,
+        K=K,
+        G=G,
+        G_TOTAL=G_total,
+        stride_xm=K,
+        stride_xk=1,
+        stride_om=N,
+        stride_on=1,
+        stride_bg=0,
+        stride_bn=0,
     )
     sizes |= dict(stride_wg=stride_wg, stride_wk=stride_wk, stride_wn=stride_wn)
     out_shape = jax.ShapeDtypeStruct((M, N), jnp.dtype(out_dtype))
     # No bias (HAS_BIAS=False): the kernel never reads bias_ptr; x fills the slot.
-    args = (x, w, group_sizes, x)
+    args = (x, w, group_sizes, _offset_arg(group_offset, group_sizes), x)
     return KernelCall(m_grouped_mm_kernel, launch.grid, args, out_shape, {**launch.meta, **sizes}, {})
 
 
 def k_grouped_mm_call(
-    a: jax.Array, b: jax.Array, group_sizes: jax.Array, c: jax.Array | None, *, out_dtype, target: Target
+    a: jax.Array,
+    b: jax.Array,
+    group_sizes: jax.Array,
+    c: jax.Array | None,
+    *,
+    out_dtype,
+    target: Target,
+    group_offset: jax.Array | None = None,
+    num_groups: int | None = None,
 ) -> KernelCall:
-    """out [G, K, N] = for g: (c[g] +) a[rows(g)]^T @ b[rows(g)]; c, when given, is aliased to out."""
+    """out [G, K, N] = for g: (c[g] +) a[rows(g)]^T @ b[rows(g)]; c, when given, is aliased to out.
+
+    With ``group_offset``, group_sizes has G_total entries and out holds the ``num_groups`` groups
+    [offset, offset + num_groups), their rows read in place (expert parallelism).
+    """
     M, K = a.shape
     N = b.shape[1]
-    G = group_sizes.shape[0]
+    G_total = group_sizes.shape[0]
+    G = G_total if group_offset is None else num_groups
     launch = KGroupedLaunch.make(
-        M, N, K, G, **_launch_options("k_grouped", M, N, K, G, a.dtype, target), accumulate=c is not None
+        M,
+        N,
+        K,
+        G,
+        **_launch_options("k_grouped", M, N, K, G, a.dtype, target),
+        accumulate=c is not None,
+        g_total=None if group_offset is None else G_total,
     )
     # Without accumulation the kernel never reads c_ptr, and without A_COLSUM it never writes
     # a_colsum_ptr; any pointer fills those slots.
-    args = (a, b, group_sizes, a if c is None else c, a)
+    args = (a, b, group_sizes, _offset_arg(group_offset, group_sizes), a if c is None else c, a)
     sizes = dict(
-        M=M, N=N, K=K, G=G, stride_am=K, stride_ak=1, stride_bm=N, stride_bn=1, stride_sg=0, stride_sk=0
+        M=M,
+        N=N,
+        K=K,
+        G=G,
+        G_TOTAL=G_total,
+        stride_am=K,
+        stride_ak=1,
+        stride_bm=N,
+        stride_bn=1,
+        stride_sg=0,
+        stride_sk=0,
     )
     sizes |= dict(stride_og=K * N, stride_ok=N, stride_on=1)
     out_shape = jax.ShapeDtypeStruct((G, K, N), jnp.dtype(out_dtype))
-    aliases = {} if c is None else {3: 0}
+    aliases = {} if c is None else {4: 0}
     return KernelCall(k_grouped_mm_kernel, launch.grid, args, out_shape, {**launch.meta, **sizes}, aliases)

@@ -19,7 +19,6 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from moegemm import layout
 from moegemm.jax import _interpret, _jax_triton, _ops, reference
 from moegemm.jax._launch import Executor
 
@@ -67,6 +66,20 @@ def _group_sizes(group_sizes, G: int | None) -> jax.Array:
     return group_sizes.astype(jnp.int32)
 
 
+def _group_offset(group_offset, G_local: int, G_total: int) -> jax.Array | None:
+    """group_offset as an int32 scalar (None stays None), checked statically against the group counts."""
+    if group_offset is None:
+        return None
+    group_offset = jnp.asarray(group_offset)
+    if not jnp.issubdtype(group_offset.dtype, jnp.integer) or group_offset.size != 1:
+        raise TypeError(
+            f"group_offset must be an integer scalar, got {group_offset.dtype} of shape {group_offset.shape}"
+        )
+    if G_local > G_total:
+        raise ValueError(f"group_sizes has {G_total} entries, fewer than the {G_local} local groups")
+    return group_offset.reshape(()).astype(jnp.int32)
+
+
 def ragged_dot(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -106,23 +119,17 @@ def ragged_dot(
     out_dtype = _float_dtype(
         "preferred_element_type", dtype if preferred_element_type is None else preferred_element_type
     )
-    M, G = lhs.shape[0], rhs.shape[0]
+    G = rhs.shape[0]
     group_sizes = _group_sizes(group_sizes, None if group_offset is not None else G)
-    if group_offset is not None and group_sizes.shape[0] < G:
-        raise ValueError(f"group_sizes has {group_sizes.shape[0]} entries, fewer than rhs's G_local={G}")
+    group_offset = _group_offset(group_offset, G, group_sizes.shape[0])
     executor = _executor(backend)
     if executor is None:
         return reference.ragged_dot_reference(
             lhs, rhs, group_sizes, group_offset=group_offset, out_dtype=out_dtype
         )
-    if group_offset is None:
-        return _ops.m_grouped_mm(lhs, rhs, group_sizes, out_dtype, False, executor)
-    # Expert parallelism without a host sync or kernel change: roll the local groups' rows to the
-    # top, so rows past the local groups fall into the kernel's zero-filled tail, and roll back.
-    # Costs two row copies (lhs, out); a first-group argument in the kernel would remove them.
-    first_row, local_sizes = layout.local_groups(group_sizes, group_offset, G, M, jnp)
-    out = _ops.m_grouped_mm(_ops.roll_rows(lhs, -first_row), rhs, local_sizes, out_dtype, False, executor)
-    return _ops.roll_rows(out, first_row)
+    # With group_offset the kernel reads and writes the local groups' rows in place and zero-fills
+    # the others in the same launch: no row copies on the expert-parallel path.
+    return _ops.m_grouped_mm(lhs, rhs, group_sizes, group_offset, out_dtype, False, executor)
 
 
 def m_grouped_mm(
@@ -132,6 +139,7 @@ def m_grouped_mm(
     *,
     transpose_w: bool = False,
     out_dtype=None,
+    group_offset: jax.Array | None = None,
     backend: Backend = "auto",
 ) -> jax.Array:
     """m-grouped GEMM (forward and dgrad): ``for g: out[rows(g)] = x[rows(g)] @ W[g]``.
@@ -140,6 +148,7 @@ def m_grouped_mm(
     stored [G, N, K] (nn.Linear layout) and W[g] = w[g].T is read through swapped strides, no copy.
     group_sizes [G] integer, on the device. Returns [M, N] in ``out_dtype`` (default x.dtype), fp32
     accumulation; rows at or past sum(group_sizes) are 0. Differentiable in x and w (our kernels).
+    ``group_offset`` (int32 scalar on the device): expert parallelism as in :func:`ragged_dot`.
     """
     x, w = jnp.asarray(x), jnp.asarray(w)
     dtype = _float_dtype("x", x.dtype)
@@ -152,12 +161,15 @@ def m_grouped_mm(
             f"m_grouped_mm expects x [M, K] and w {layout} with matching K; got x {x.shape}, w {w.shape}"
         )
     out_dtype = _float_dtype("out_dtype", dtype if out_dtype is None else out_dtype)
-    group_sizes = _group_sizes(group_sizes, w.shape[0])
+    group_sizes = _group_sizes(group_sizes, None if group_offset is not None else w.shape[0])
+    group_offset = _group_offset(group_offset, w.shape[0], group_sizes.shape[0])
     executor = _executor(backend)
     if executor is None:
         W = jnp.swapaxes(w, 1, 2) if transpose_w else w
-        return reference.m_grouped_mm_reference(x, W, group_sizes, out_dtype=out_dtype)
-    return _ops.m_grouped_mm(x, w, group_sizes, out_dtype, transpose_w, executor)
+        return reference.m_grouped_mm_reference(
+            x, W, group_sizes, group_offset=group_offset, out_dtype=out_dtype
+        )
+    return _ops.m_grouped_mm(x, w, group_sizes, group_offset, out_dtype, transpose_w, executor)
 
 
 def k_grouped_mm(
@@ -167,6 +179,8 @@ def k_grouped_mm(
     *,
     accumulate: jax.Array | None = None,
     out_dtype=jnp.float32,
+    group_offset: jax.Array | None = None,
+    num_groups: int | None = None,
     backend: Backend = "auto",
 ) -> jax.Array:
     """k-grouped GEMM (weight gradient): ``for g: out[g] = (accumulate[g] +) a[rows(g)]^T @ b[rows(g)]``.
@@ -176,6 +190,9 @@ def k_grouped_mm(
     exact zeros. ``accumulate=`` an fp32 [G, K, N] buffer returns buffer + a^T b (the Megatron
     main_grad convention, functionally); on GPU the buffer is aliased to the output, so donating it
     under jit updates it in place. Differentiable in a, b and the buffer.
+    Expert parallelism: with ``group_offset`` (int32 scalar on the device) and ``num_groups`` (static),
+    group_sizes covers all G_total groups and out [num_groups, K, N] holds groups
+    [offset, offset + num_groups), their rows read in place.
     """
     a, b = jnp.asarray(a), jnp.asarray(b)
     dtype = _float_dtype("a", a.dtype)
@@ -186,7 +203,17 @@ def k_grouped_mm(
             f"k_grouped_mm expects a [M, K] and b [M, N] with the same M; got a {a.shape}, b {b.shape}"
         )
     group_sizes = _group_sizes(group_sizes, None)
-    G, K, N = group_sizes.shape[0], a.shape[1], b.shape[1]
+    if group_offset is None:
+        if num_groups is not None and num_groups != group_sizes.shape[0]:
+            raise ValueError(
+                f"num_groups={num_groups} differs from group_sizes' {group_sizes.shape[0]} entries; "
+                "a subset of the groups needs group_offset"
+            )
+        num_groups = group_sizes.shape[0]
+    elif num_groups is None:
+        raise ValueError("group_offset needs num_groups, the number of local groups (static)")
+    group_offset = _group_offset(group_offset, num_groups, group_sizes.shape[0])
+    G, K, N = num_groups, a.shape[1], b.shape[1]
     out_dtype = _float_dtype("out_dtype", out_dtype)
     if accumulate is not None:
         accumulate = jnp.asarray(accumulate)
@@ -198,5 +225,7 @@ def k_grouped_mm(
         out_dtype = accumulate.dtype
     executor = _executor(backend)
     if executor is None:
-        return reference.k_grouped_mm_reference(a, b, group_sizes, c=accumulate, out_dtype=out_dtype)
-    return _ops.k_grouped_mm(a, b, group_sizes, accumulate, out_dtype, executor)
+        return reference.k_grouped_mm_reference(
+            a, b, group_sizes, c=accumulate, group_offset=group_offset, num_groups=G, out_dtype=out_dtype
+        )
+    return _ops.k_grouped_mm(a, b, group_sizes, group_offset, accumulate, out_dtype, G, executor)

@@ -17,18 +17,35 @@ from moegemm import layout
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def group_mask(group_sizes: jax.Array, M: int) -> jax.Array:
-    """[G, M] bool: mask[g, r] = row r belongs to group g (``moegemm.layout``'s rule)."""
+def group_mask(group_sizes: jax.Array, M: int, group_offset=None, num_groups: int | None = None) -> jax.Array:
+    """[G, M] bool: mask[g, r] = row r belongs to group g (``moegemm.layout``'s rule).
+
+    With ``group_offset`` (expert parallelism): [num_groups, M], the masks of groups
+    [offset, offset + num_groups) of the G_total in group_sizes (``layout.local_groups``).
+    """
+    if group_offset is not None:
+        first_row, local_sizes = layout.local_groups(group_sizes, group_offset, num_groups, M, jnp)
+        # Rows before first_row form a leading group, dropped.
+        return group_mask(jnp.concatenate([first_row[None], local_sizes]), M)[1:]
     starts, ends = layout.group_layout(group_sizes, M, jnp)
     rows = jnp.arange(M, dtype=jnp.int32)
     return (rows[None, :] >= starts[:, None]) & (rows[None, :] < ends[:, None])
 
 
 def m_grouped_mm_reference(
-    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dtype=None, compute_dtype=jnp.float32
+    x: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    group_offset=None,
+    out_dtype=None,
+    compute_dtype=jnp.float32,
 ) -> jax.Array:
-    """x [M, K], w [G, K, N] -> out [M, N]; for g: out[rows(g)] = x[rows(g)] @ w[g]; unowned rows 0."""
-    mask = group_mask(group_sizes, x.shape[0])
+    """x [M, K], w [G, K, N] -> out [M, N]; for g: out[rows(g)] = x[rows(g)] @ w[g]; unowned rows 0.
+
+    group_offset: w holds groups [offset, offset + G) of the G_total in group_sizes; rows of other
+    groups are 0."""
+    mask = group_mask(group_sizes, x.shape[0], group_offset, w.shape[0])
     xg = jnp.where(mask[:, :, None], x.astype(compute_dtype)[None], 0)
     out = jnp.einsum("gmk,gkn->mn", xg, w.astype(compute_dtype), precision=HIGHEST)
     return out.astype(out_dtype or x.dtype)
@@ -40,14 +57,17 @@ def k_grouped_mm_reference(
     group_sizes: jax.Array,
     *,
     c: jax.Array | None = None,
+    group_offset=None,
+    num_groups: int | None = None,
     out_dtype=jnp.float32,
     compute_dtype=jnp.float32,
 ) -> jax.Array:
     """a [M, K], b [M, N] -> out [G, K, N]; for g: out[g] = (c[g] +) a[rows(g)]^T @ b[rows(g)].
 
     With c, an empty group's out[g] is c[g] bit for bit (as the kernel, which skips it: 0 + -0.0
-    would be +0.0)."""
-    mask = group_mask(group_sizes, a.shape[0])
+    would be +0.0). group_offset: out holds the num_groups groups [offset, offset + num_groups) of
+    the G_total in group_sizes."""
+    mask = group_mask(group_sizes, a.shape[0], group_offset, num_groups)
     cast = lambda t: t.astype(compute_dtype)
     out = jnp.einsum("gm,mk,mn->gkn", cast(mask), cast(a), cast(b), precision=HIGHEST)
     if c is not None:
@@ -60,11 +80,4 @@ def ragged_dot_reference(
     lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, group_offset=None, out_dtype=None
 ) -> jax.Array:
     """jax.lax.ragged_dot semantics, with megablox-style group_offset (rows of non-local groups are 0)."""
-    if group_offset is None:
-        return m_grouped_mm_reference(lhs, rhs, group_sizes, out_dtype=out_dtype)
-    M, G_local = lhs.shape[0], rhs.shape[0]
-    first_row, local_sizes = layout.local_groups(group_sizes, group_offset, G_local, M, jnp)
-    # Rows before first_row become a leading group with zero weight: they come out 0.
-    sizes = jnp.concatenate([first_row[None], local_sizes])
-    rhs = jnp.concatenate([jnp.zeros((1, *rhs.shape[1:]), rhs.dtype), rhs])
-    return m_grouped_mm_reference(lhs, rhs, sizes, out_dtype=out_dtype)
+    return m_grouped_mm_reference(lhs, rhs, group_sizes, group_offset=group_offset, out_dtype=out_dtype)

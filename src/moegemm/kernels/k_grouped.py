@@ -6,6 +6,10 @@ bf16/fp16. A group with no rows writes exact zeros, or, when accumulating, leave
 Optionally also ``a_colsum[g] = sum(a[rows(g)], 0)`` [G, K]: with a = dy that is the bias gradient,
 from G x cdiv(K, BLOCK_K) extra memory-bound tiles of the same persistent launch (no second launch).
 
+Expert parallelism (``HAS_GROUP_OFFSET``): group_sizes holds G_TOTAL groups and out the G local ones,
+groups [offset, offset + G) with offset = ``*group_offset_ptr`` on the device, whose rows are read
+where they are (no row copies).
+
 Persistent kernel over the static tile space G x cdiv(K, BLOCK_K) x cdiv(N, BLOCK_N), group-major
 so that the programs running together share one group's rows of a and b in L2. The reduction runs
 over that group's rows in steps of BLOCK_R.
@@ -18,7 +22,7 @@ import dataclasses
 import triton
 import triton.language as tl
 
-from moegemm.kernels.schedule import group_row_bounds, pick, swizzle_tile
+from moegemm.kernels.schedule import group_row_bounds, local_group_row_bounds, pick, swizzle_tile
 
 
 @triton.jit
@@ -30,6 +34,7 @@ def k_grouped_mm_kernel(
     a_ptr,
     b_ptr,
     group_sizes_ptr,
+    group_offset_ptr,  # int32 [1]: the first local group (read only with HAS_GROUP_OFFSET)
     c_ptr,
     a_colsum_ptr,
     out_ptr,
@@ -37,6 +42,7 @@ def k_grouped_mm_kernel(
     N,
     K,
     G,
+    G_TOTAL,  # entries of group_sizes (G without a group offset)
     stride_am: tl.constexpr,
     stride_ak: tl.constexpr,
     stride_bm: tl.constexpr,
@@ -52,6 +58,8 @@ def k_grouped_mm_kernel(
     BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr,
     BLOCK_G: tl.constexpr,
+    BLOCK_G_TOTAL: tl.constexpr,
+    HAS_GROUP_OFFSET: tl.constexpr,
     A_K_CONTIGUOUS: tl.constexpr,  # stride_ak == 1: a is row-major
     WIDE_OFFSETS: tl.constexpr,
     ACCUMULATE: tl.constexpr,  # out = c + a^T b instead of a^T b
@@ -60,7 +68,12 @@ def k_grouped_mm_kernel(
     PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    offs, starts, ends = group_row_bounds(group_sizes_ptr, G, M, BLOCK_G)
+    if HAS_GROUP_OFFSET:
+        offs, starts, ends = local_group_row_bounds(
+            group_sizes_ptr, group_offset_ptr, G, G_TOTAL, M, BLOCK_G, BLOCK_G_TOTAL
+        )
+    else:
+        offs, starts, ends = group_row_bounds(group_sizes_ptr, G, M, BLOCK_G)
     k_tiles = tl.cdiv(K, BLOCK_K)
     n_tiles = tl.cdiv(N, BLOCK_N)
     tiles_per_group = k_tiles * n_tiles
@@ -182,10 +195,13 @@ class KGroupedLaunch:
         max_stride: int | None = None,
         a_k_contiguous: bool = True,
         a_colsum: bool = False,
+        g_total: int | None = None,
     ) -> KGroupedLaunch:
         """max_stride: the largest row/column stride of a, b and out[g] (default: contiguous, max(K, N)).
         a_k_contiguous: a's K stride is 1 (row-major a, the default for contiguous inputs).
         a_colsum: also write the per-group column sums of a (the bias gradient when a is dy).
+        g_total: expert parallelism: group_sizes has g_total entries, out the G local groups from a
+        device-side group offset (None: no offset, g_total = G).
         """
         max_stride = max(K, N) if max_stride is None else max_stride
         k_tiles = triton.cdiv(K, config.block_k)
@@ -198,7 +214,10 @@ class KGroupedLaunch:
             BLOCK_N=config.block_n,
             BLOCK_R=config.block_r,
             GROUP_M=config.group_m,
-            BLOCK_G=max(16, triton.next_power_of_2(G)),
+            # One slot more with an offset: local_group_row_bounds puts the rows before the first group there.
+            BLOCK_G=max(16, triton.next_power_of_2(G if g_total is None else G + 1)),
+            BLOCK_G_TOTAL=max(16, triton.next_power_of_2(G if g_total is None else g_total)),
+            HAS_GROUP_OFFSET=g_total is not None,
             A_K_CONTIGUOUS=a_k_contiguous,
             WIDE_OFFSETS=2 * max(config.block_k, config.block_n, config.block_r) * max_stride >= 2**31,
             ACCUMULATE=accumulate,

@@ -4,9 +4,14 @@ Shapes: x [M, K], w [G, K, N] (any strides; an nn.Linear weight [G, N, K] is pas
 group_sizes [G] int32/int64 on the device, optional bias [G, N], out [M, N]. The bias is added to
 the fp32 accumulator before the one rounding to out's dtype (a GroupedLinear forward in one launch).
 
+Expert parallelism (``HAS_GROUP_OFFSET``): group_sizes holds G_TOTAL groups and w the G local ones,
+groups [offset, offset + G) with offset = ``*group_offset_ptr`` on the device; the local rows are read
+and written where they are, and every other row is zero-filled by the same launch (no row copies).
+
 Persistent kernel. The tile space is laid out group by group: group g owns
 ``cdiv(rows_g, BLOCK_M) * cdiv(N, BLOCK_N)`` consecutive tiles, and one extra slot (index G)
-owns the unowned tail rows, which are zero-filled. The real number of tiles is only known on
+owns the unowned tail rows, which are zero-filled (with a group offset, slot G+1 does, and slot G
+owns the rows before the first local group). The real number of tiles is only known on
 the device, so the grid is ``min(upper bound, programs)`` and each program strides over the
 tile space until the device-side total.
 """
@@ -18,7 +23,7 @@ import dataclasses
 import triton
 import triton.language as tl
 
-from moegemm.kernels.schedule import group_row_bounds, locate_row_tile, row_tile_space
+from moegemm.kernels.schedule import group_row_bounds, local_group_row_bounds, locate_row_tile, row_tile_space
 
 
 @triton.jit
@@ -31,12 +36,14 @@ def m_grouped_mm_kernel(
     x_ptr,
     w_ptr,
     group_sizes_ptr,
+    group_offset_ptr,  # int32 [1]: the first local group (read only with HAS_GROUP_OFFSET)
     bias_ptr,
     out_ptr,
     M,
     N: tl.constexpr,
     K: tl.constexpr,
     G: tl.constexpr,
+    G_TOTAL: tl.constexpr,  # entries of group_sizes (G without a group offset)
     stride_xm,
     stride_xk,
     stride_wg,
@@ -52,6 +59,8 @@ def m_grouped_mm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     BLOCK_G: tl.constexpr,
+    BLOCK_G_TOTAL: tl.constexpr,
+    HAS_GROUP_OFFSET: tl.constexpr,
     EVEN_K: tl.constexpr,
     W_K_CONTIGUOUS: tl.constexpr,  # stride_wk == 1, e.g. an nn.Linear weight [G, N, K] passed as w.mT
     HAS_BIAS: tl.constexpr,  # add bias[g] to every owned row; bias_ptr is not read otherwise
@@ -60,10 +69,21 @@ def m_grouped_mm_kernel(
     PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    # Slot G collects the rows past sum(group_sizes): bounds [min(total, M), M).
-    offs, starts, ends = group_row_bounds(group_sizes_ptr, G, M, BLOCK_G)
+    # The last slot collects the rows past the last group: bounds [min(total, M), M). Every slot
+    # g >= G is zero-filled.
     n_tiles = tl.cdiv(N, BLOCK_N)
-    starts, ends, m_tiles, tile_ends, total_tiles = row_tile_space(offs, starts, ends, G, M, n_tiles, BLOCK_M)
+    if HAS_GROUP_OFFSET:  # slot G: the rows before the first local group
+        offs, starts, ends = local_group_row_bounds(
+            group_sizes_ptr, group_offset_ptr, G, G_TOTAL, M, BLOCK_G, BLOCK_G_TOTAL
+        )
+        starts, ends, m_tiles, tile_ends, total_tiles = row_tile_space(
+            offs, starts, ends, G + 1, M, n_tiles, BLOCK_M
+        )
+    else:
+        offs, starts, ends = group_row_bounds(group_sizes_ptr, G, M, BLOCK_G)
+        starts, ends, m_tiles, tile_ends, total_tiles = row_tile_space(
+            offs, starts, ends, G, M, n_tiles, BLOCK_M
+        )
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -83,7 +103,7 @@ def m_grouped_mm_kernel(
         # which keeps the pointer tensors out of the register budget of the accumulator.
         out_base = out_ptr + row0 * stride_om + col0.to(tl.int64) * stride_on
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # The tail slot (g == G) runs no reduction steps: its rows are stored as zeros.
+        # The unowned slots (g >= G) run no reduction steps: their rows are stored as zeros.
         k_steps = tl.where(g < G, tl.cdiv(K, BLOCK_K), 0)
         x_base = x_ptr + row0 * stride_xm
         w_base = w_ptr + g.to(tl.int64) * stride_wg + col0.to(tl.int64) * stride_wn
@@ -116,7 +136,7 @@ def m_grouped_mm_kernel(
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
         if HAS_BIAS:
-            # The tail slot (g == G) reads no bias and its rows stay 0: its column bound folds to 0. A
+            # The unowned slots (g >= G) read no bias and its rows stay 0: its column bound folds to 0. A
             # scalar condition and-ed into a block mask is rejected by triton 3.9's interpreter
             # ("mask has unsupported dtype"), so the condition goes into the bound instead.
             bias_cols = tl.where(g < G, N - col0, 0)
@@ -150,16 +170,20 @@ class MGroupedLaunch:
         max_stride: int | None = None,
         w_k_contiguous: bool = False,
         has_bias: bool = False,
+        g_total: int | None = None,
     ) -> MGroupedLaunch:
         """max_stride: the largest row/column stride of x, w[g] and out (default: contiguous, max(K, N)).
         Element offsets inside one tile or one expert's K range are int32 unless they could overflow.
         w_k_contiguous: w's K stride is 1 (the [G, N, K] storage of an nn.Linear weight seen as [G, K, N]).
         has_bias: the launch passes a [G, N] bias (its strides count in max_stride).
+        g_total: expert parallelism: group_sizes has g_total entries, w the G local groups from a
+        device-side group offset (None: no offset, g_total = G).
         """
         bm, bn = config.block_m, config.block_n
         max_stride = max(K, N) if max_stride is None else max_stride
-        # Each group adds at most one partial row tile, the tail slot one more.
-        max_tiles = (triton.cdiv(M, bm) + G + 1) * triton.cdiv(N, bn)
+        # Each group adds at most one partial row tile, each unowned slot (tail, head) one more.
+        slots = G + 1 if g_total is None else G + 2
+        max_tiles = (triton.cdiv(M, bm) + slots) * triton.cdiv(N, bn)
         # num_programs_cap is one wave at one program per SM; a config may ask for several per SM.
         num_programs = max(1, min(max_tiles, num_programs_cap * config.ctas_per_sm))
         meta = dict(
@@ -168,7 +192,9 @@ class MGroupedLaunch:
             BLOCK_N=bn,
             BLOCK_K=config.block_k,
             GROUP_M=config.group_m,
-            BLOCK_G=max(16, triton.next_power_of_2(G + 1)),
+            BLOCK_G=max(16, triton.next_power_of_2(slots)),
+            BLOCK_G_TOTAL=max(16, triton.next_power_of_2(G if g_total is None else g_total)),
+            HAS_GROUP_OFFSET=g_total is not None,
             EVEN_K=K % config.block_k == 0,
             W_K_CONTIGUOUS=w_k_contiguous,
             HAS_BIAS=has_bias,

@@ -31,6 +31,35 @@ def group_row_bounds(group_sizes_ptr, G, M, BLOCK_G: tl.constexpr):
 
 
 @triton.jit
+def local_group_row_bounds(
+    group_sizes_ptr, group_offset_ptr, G, G_TOTAL, M, BLOCK_G: tl.constexpr, BLOCK_G_TOTAL: tl.constexpr
+):
+    """Expert parallelism: (offs, starts, ends) of the G local groups, which are groups
+    [offset, offset + G) of the G_TOTAL in ``group_sizes_ptr``, offset = ``*group_offset_ptr``.
+
+    The bounds are those of the global rule (every group's rows where ``group_row_bounds`` over all
+    G_TOTAL groups puts them), so a launch reads and writes the local rows in place. Slot G holds the
+    rows before the first local group, [0, first_row); like the tail slot, nobody owns them. The
+    offset is taken as jax.lax.dynamic_slice takes a start index (negative counts from the end, then
+    clamped to [0, G_TOTAL - G]), so no device-side value reads outside group_sizes.
+    Example, M=12, group_sizes=[3, 2, 4, 1], offset=1, G=2: starts=[3, 5, 0], ends=[5, 9, 3].
+    """
+    offset = tl.load(group_offset_ptr).to(tl.int32)
+    offset = tl.where(offset < 0, offset + G_TOTAL, offset)
+    offset = tl.minimum(tl.maximum(offset, 0), G_TOTAL - G)
+    before = tl.arange(0, BLOCK_G_TOTAL)
+    skipped = tl.load(group_sizes_ptr + before, mask=before < offset, other=0).to(tl.int64)
+    first_row = tl.minimum(tl.sum(tl.minimum(tl.maximum(skipped, 0), M), 0), M)
+    offs = tl.arange(0, BLOCK_G)
+    sizes = tl.load(group_sizes_ptr + offset + offs, mask=offs < G, other=0).to(tl.int64)
+    sizes = tl.minimum(tl.maximum(sizes, 0), M)
+    ends_unclamped = first_row + tl.cumsum(sizes, 0)
+    starts = tl.where(offs == G, 0, tl.minimum(ends_unclamped - sizes, M))
+    ends = tl.where(offs == G, first_row, tl.minimum(ends_unclamped, M))
+    return offs, starts, ends
+
+
+@triton.jit
 def pick(values, offs, index):
     """values[index] for a register vector (a masked reduction; Triton has no dynamic register indexing)."""
     return tl.sum(tl.where(offs == index, values, 0), 0)

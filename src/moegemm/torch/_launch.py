@@ -222,8 +222,9 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
     )
     M_GROUPED.launch(
         spec,
-        (x, w, group_sizes, x if bias is None else bias, out),
-        (M, N, K, G, *sx, *sw, *so, *sb),
+        # No group offset (HAS_GROUP_OFFSET=False): the kernel never reads that slot; group_sizes fills it.
+        (x, w, group_sizes, group_sizes, x if bias is None else bias, out),
+        (M, N, K, G, G, *sx, *sw, *so, *sb),
         lambda: _m_launch(*spec),
     )
 
@@ -251,7 +252,7 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) ->
     )
     K_GROUPED.launch(
         spec,
-        (a, b, group_sizes, out, out if a_colsum is None else a_colsum, out),
-        (M, N, K, G, *sa, *sb, *so, *ss),
+        (a, b, group_sizes, group_sizes, out, out if a_colsum is None else a_colsum, out),
+        (M, N, K, G, G, *sa, *sb, *so, *ss),
         lambda: _k_launch(*spec),
     )

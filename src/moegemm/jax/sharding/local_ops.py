@@ -12,9 +12,6 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
-import jax.numpy as jnp
-
-from moegemm import layout
 from moegemm.jax import api, reference
 
 
@@ -41,11 +38,9 @@ def _reference_ragged_dot(lhs, rhs, group_sizes, group_offset, preferred_element
 
 
 def _reference_k_grouped_mm(a, b, group_sizes, group_offset, num_groups, out_dtype):
-    if group_offset is None:
-        return reference.k_grouped_mm_reference(a, b, group_sizes, out_dtype=out_dtype)
-    first_row, local_sizes = layout.local_groups(group_sizes, group_offset, num_groups, a.shape[0], jnp)
-    sizes = jnp.concatenate([first_row[None], local_sizes])  # rows before the local groups: dropped
-    return reference.k_grouped_mm_reference(a, b, sizes, out_dtype=out_dtype)[1:]
+    return reference.k_grouped_mm_reference(
+        a, b, group_sizes, group_offset=group_offset, num_groups=num_groups, out_dtype=out_dtype
+    )
 
 
 REFERENCE_OPS = LocalOps(_reference_ragged_dot, _reference_k_grouped_mm, name="reference")
@@ -66,12 +61,16 @@ def moegemm_local_ops(backend: api.Backend = "auto") -> LocalOps:
         )
 
     def k_grouped_mm(a, b, group_sizes, group_offset, num_groups, out_dtype):
-        if group_offset is None:
-            return api.k_grouped_mm(a, b, group_sizes, out_dtype=out_dtype, backend=backend)
-        # Roll the local groups' rows to the top: rows past them fall outside every local group.
-        first_row, local_sizes = layout.local_groups(group_sizes, group_offset, num_groups, a.shape[0], jnp)
-        a, b = jnp.roll(a, -first_row, axis=0), jnp.roll(b, -first_row, axis=0)
-        return api.k_grouped_mm(a, b, local_sizes, out_dtype=out_dtype, backend=backend)
+        # The local groups' rows are read in place (the kernels' group offset): no row copies.
+        return api.k_grouped_mm(
+            a,
+            b,
+            group_sizes,
+            out_dtype=out_dtype,
+            group_offset=group_offset,
+            num_groups=num_groups,
+            backend=backend,
+        )
 
     return LocalOps(ragged_dot, k_grouped_mm, name=f"moegemm-{backend}")
 
