@@ -270,3 +270,35 @@ def test_device_and_host_clocks_are_none_off_cuda():
 
     cpu = torch.device("cpu")
     assert timing.device_ms(lambda: None, cpu) is None and timing.host_us(lambda: None, cpu) is None
+
+
+def test_cli_ep_mode_checks_and_ratios(tmp_path):
+    """--ep: every impl's output is checked (local rows vs the ideal, other rows exactly 0) and each
+    group_offset record carries its ratios; on CPU the clock is wall time (proves the path runs)."""
+    out = tmp_path / "ep.json"
+    assert cli.main(["--ep", "2,3", "--cases", "tiny-odd", "--device", "cpu", "--out", str(out)]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert {(r["ep"], r["op"]) for r in records} == {
+        (e, o) for e in (2, 3) for o in ("fwd", "dgrad", "wgrad")
+    }
+    assert all(r["status"].startswith("ok") for r in records), [r["status"] for r in records]
+    offset = [r for r in records if r["impl"] == "group_offset"]
+    assert len(offset) == 6 and all(r["vs_ideal"] > 0 and r["roll_vs_ideal"] > 0 for r in offset)
+
+
+def test_ep_check_fails_on_rows_outside_or_wrong_values():
+    import numpy as np
+
+    from moegemm.bench import ep
+
+    ideal = np.ones((4, 3), np.float32)
+    good = np.zeros((10, 3), np.float32)
+    good[2:6] = 1
+    assert ep._check("fwd", good, ideal, 2, 4) == "ok"
+    leaked = good.copy()
+    leaked[7, 1] = 1e-3
+    assert ep._check("fwd", leaked, ideal, 2, 4).startswith("failed: 1 nonzero")
+    wrong = good.copy()
+    wrong[3] = 2
+    assert "relerr" in ep._check("dgrad", wrong, ideal, 2, 4)
+    assert "relerr" in ep._check("wgrad", ideal * 1.1, ideal, 0, 4)

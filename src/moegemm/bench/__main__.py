@@ -62,6 +62,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "src/moegemm/tuned_configs/; elsewhere, the file starts as a copy of the committed one)",
     )
     p.add_argument("--overhead", action="store_true", help="also measure host time per call on a tiny shape")
+    p.add_argument(
+        "--ep",
+        help="EP mode (moegemm.bench.ep): comma-separated EP degrees, e.g. 2,8; times moegemm-jax with "
+        "group_offset against the same kernels on only the local rows, instead of the peer benchmark",
+    )
     fp8 = p.add_argument_group("FP8 mode (moegemm.bench.fp8): scaled grouped GEMMs with their peers")
     fp8.add_argument("--fp8", action="store_true", help="run the FP8 benchmark instead of the BF16 one")
     fp8.add_argument("--fp8-recipes", default="tensorwise,rowwise,blockwise")
@@ -131,6 +136,16 @@ def main(argv=None) -> int:
     jagged = shapes.parse_jagged(args.jagged_splits) if args.jagged_splits else None
     if jagged is not None and (not jagged or min(jagged) < 0):
         raise SystemExit(f"--jagged-splits needs non-negative sizes, got {args.jagged_splits!r}")
+    if args.ep:
+        from moegemm.bench import ep
+
+        out = (
+            args.out
+            or Path("benchmarks/results")
+            / f"{harness.Environment.detect(device).device_slug}-{time.strftime('%Y-%m-%d')}-ep.json"
+        )
+        ep.run(select_cases(args, shapes, cuda), [int(v) for v in _csv(args.ep)], device, out, seed=args.seed)
+        return 0
     if args.fp8:
         from moegemm import configs
         from moegemm.bench import fp8
