@@ -249,6 +249,29 @@ class JaxOpsTest:
         calls = text.count("stablehlo.custom_call")
         assert calls == 3, f"expected the fwd, dx and dW launches, found {calls} custom calls"
 
+    @pytest.mark.parametrize(
+        "name, sizes, offset",
+        [
+            ("local groups empty", [40, 0, 0, 50, 30, 10], 1),
+            ("no rows before", [20, 33, 40, 10, 7, 0], 0),
+            ("last groups, unowned tail", [20, 33, 40, 10, 7, 9], 4),
+            ("few GEMM tiles, many zero tiles", [70, 3, 2, 40, 20, 15], 1),
+            ("many GEMM tiles, few zero tiles", [1, 60, 70, 2, 0, 17], 1),
+        ],
+    )
+    def test_group_offset_zero_fill(self, name, sizes, offset):
+        """Every row outside the local groups is written 0 by the launch (interpreter outputs start
+        as NaN), whatever the mix of GEMM and zero tiles; local rows are right."""
+        M, K, N, G_local = 150, 24, 70, 2
+        x, w = randn(0, (M, K), F32), randn(1, (G_local, K, N), F32)
+        out = self.ragged_dot(x, w, jnp.asarray(sizes, jnp.int32), group_offset=jnp.int32(offset))
+        w_full = np.zeros((len(sizes), K, N))
+        w_full[offset : offset + G_local] = f64(w)
+        assert_close(out, oracle.m_grouped_mm(x, w_full, sizes), F32, name)
+        (start, _), (_, end) = group_bounds(sizes, M)[offset], group_bounds(sizes, M)[offset + G_local - 1]
+        out = np.asarray(out)
+        assert not np.isnan(out).any() and not out[:start].any() and not out[end:].any(), name
+
     @pytest.mark.parametrize("transpose_w", [False, True], ids=["w[G,K,N]", "w[G,N,K]"])
     def test_m_grouped_group_offset_grads(self, transpose_w):
         """m_grouped_mm with a group offset, both weight layouts, bf16, and every input's gradient."""

@@ -10,8 +10,8 @@ and written where they are, and every other row is zero-filled by the same launc
 
 Persistent kernel. The tile space is laid out group by group: group g owns
 ``cdiv(rows_g, BLOCK_M) * cdiv(N, BLOCK_N)`` consecutive tiles, and one extra slot (index G)
-owns the unowned tail rows, which are zero-filled (with a group offset, slot G+1 does, and slot G
-owns the rows before the first local group). The real number of tiles is only known on
+owns the unowned tail rows, which are zero-filled (with a group offset the unowned rows before and
+after the local groups are zero tiles interleaved with the GEMM tiles). The real number of tiles is only known on
 the device, so the grid is ``min(upper bound, programs)`` and each program strides over the
 tile space until the device-side total.
 """
@@ -23,7 +23,34 @@ import dataclasses
 import triton
 import triton.language as tl
 
-from moegemm.kernels.schedule import group_row_bounds, local_group_row_bounds, locate_row_tile, row_tile_space
+from moegemm.kernels.schedule import (
+    group_row_bounds,
+    local_group_row_bounds,
+    locate_row_tile,
+    pick,
+    row_tile_space,
+)
+
+
+@triton.jit
+def store_zero_tiles(
+    out_ptr, z_begin, z_end, first_row, local_end, head_tiles, M, N, n_tiles, stride_om, stride_on,
+    offs_m, offs_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Zero tiles [z_begin, z_end) of the unowned rows [0, first_row) and [local_end, M): row tile
+    z // n_tiles (the head's row tiles first, then the tail's), column tile z % n_tiles."""
+    zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
+    for z in range(z_begin, z_end):
+        row_tile = z // n_tiles
+        in_head = row_tile < head_tiles
+        row0 = tl.where(in_head, row_tile * BLOCK_M, local_end + (row_tile - head_tiles) * BLOCK_M).to(
+            tl.int64
+        )
+        row_end = tl.where(in_head, first_row, M)
+        col0 = (z % n_tiles) * BLOCK_N
+        mask = (offs_m < row_end - row0)[:, None] & (offs_n < N - col0)[None, :]
+        base = out_ptr + row0 * stride_om + col0.to(tl.int64) * stride_on
+        tl.store(base + (offs_m[:, None] * stride_om + offs_n[None, :] * stride_on), zero, mask=mask)
 
 
 @triton.jit
@@ -72,13 +99,22 @@ def m_grouped_mm_kernel(
     # The last slot collects the rows past the last group: bounds [min(total, M), M). Every slot
     # g >= G is zero-filled.
     n_tiles = tl.cdiv(N, BLOCK_N)
-    if HAS_GROUP_OFFSET:  # slot G: the rows before the first local group
+    if HAS_GROUP_OFFSET:
+        # The tile space holds the local groups only (its tail slot is cut to nothing at local_end);
+        # the unowned rows before (slot G's [0, first_row)) and after them are zero tiles, which
+        # every loop iteration interleaves with its GEMM tile (a share of ``zero_per_tile``), so their
+        # stores drain while tensor cores work instead of forming a store-only tail wave.
         offs, starts, ends = local_group_row_bounds(
             group_sizes_ptr, group_offset_ptr, G, G_TOTAL, M, BLOCK_G, BLOCK_G_TOTAL
         )
+        first_row = pick(ends, offs, G)
+        local_end = tl.maximum(tl.max(tl.where(offs < G, ends, 0), 0), first_row)
         starts, ends, m_tiles, tile_ends, total_tiles = row_tile_space(
-            offs, starts, ends, G + 1, M, n_tiles, BLOCK_M
+            offs, starts, ends, G, local_end, n_tiles, BLOCK_M
         )
+        head_tiles = tl.cdiv(first_row, BLOCK_M)
+        zero_tiles = (head_tiles + tl.cdiv(M - local_end, BLOCK_M)) * n_tiles
+        zero_per_tile = tl.cdiv(zero_tiles, tl.maximum(total_tiles, NUM_PROGRAMS))
     else:
         offs, starts, ends = group_row_bounds(group_sizes_ptr, G, M, BLOCK_G)
         starts, ends, m_tiles, tile_ends, total_tiles = row_tile_space(
@@ -147,6 +183,18 @@ def m_grouped_mm_kernel(
         tl.store(
             out_base + out_offs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :]
         )
+        if HAS_GROUP_OFFSET:
+            zero_begin = tile * zero_per_tile
+            store_zero_tiles(
+                out_ptr, zero_begin, tl.minimum(zero_begin + zero_per_tile, zero_tiles), first_row, local_end,
+                head_tiles, M, N, n_tiles, stride_om, stride_on, offs_m, offs_n, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+    if HAS_GROUP_OFFSET:  # zero tiles no GEMM tile took (all of them when no local group has rows)
+        for z in range(total_tiles * zero_per_tile + pid, zero_tiles, NUM_PROGRAMS):
+            store_zero_tiles(
+                out_ptr, z, z + 1, first_row, local_end, head_tiles, M, N, n_tiles, stride_om, stride_on,
+                offs_m, offs_n, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +229,7 @@ class MGroupedLaunch:
         """
         bm, bn = config.block_m, config.block_n
         max_stride = max(K, N) if max_stride is None else max_stride
-        # Each group adds at most one partial row tile, each unowned slot (tail, head) one more.
+        # Each group adds at most one partial row tile, the unowned rows (tail; head with an offset) more.
         slots = G + 1 if g_total is None else G + 2
         max_tiles = (triton.cdiv(M, bm) + slots) * triton.cdiv(N, bn)
         # num_programs_cap is one wave at one program per SM; a config may ask for several per SM.
