@@ -132,18 +132,17 @@ def m_grouped_mm_call(
     else:
         G, _, N = w.shape
         stride_wg, stride_wk, stride_wn = K * N, N, 1
-    G_total = group_sizes.shape[0] if group_offset is not None else G
+    g_total = None if group_offset is None else group_sizes.shape[0]  # None: no offset
+    G_total = G if g_total is None else g_total
     launch = MGroupedLaunch.make(
         M,
         N,
         K,
         G,
-        **_launch_options(
-            "m_grouped", M, N, K, G, x.dtype, target, None if group_offset is None else G_total
-        ),
+        **_launch_options("m_grouped", M, N, K, G, x.dtype, target, g_total),
         max_stride=max(K, 1, stride_wk, stride_wn, N),
         w_k_contiguous=stride_wk == 1 and stride_wn != 1,
-        g_total=None if group_offset is None else group_sizes.shape[0],
+        g_total=g_total,
     )
     sizes = dict(
         M=M,
@@ -185,16 +184,15 @@ def k_grouped_mm_call(
     N = b.shape[1]
     G_total = group_sizes.shape[0]
     G = G_total if group_offset is None else num_groups
+    g_total = None if group_offset is None else G_total  # None: no offset
     launch = KGroupedLaunch.make(
         M,
         N,
         K,
         G,
-        **_launch_options(
-            "k_grouped", M, N, K, G, a.dtype, target, None if group_offset is None else G_total
-        ),
+        **_launch_options("k_grouped", M, N, K, G, a.dtype, target, g_total),
         accumulate=c is not None,
-        g_total=None if group_offset is None else G_total,
+        g_total=g_total,
     )
     # Without accumulation the kernel never reads c_ptr, and without A_COLSUM it never writes
     # a_colsum_ptr; any pointer fills those slots.
