@@ -52,6 +52,7 @@ def run(call: KernelCall):
         out_shape=call.out_shape,
         grid=call.grid,
         input_output_aliases=call.input_output_aliases or None,
+        zeroed_outputs=call.zeroed_outputs,
         **call.meta,
     )
 

@@ -55,14 +55,20 @@ def gpu_target() -> Target:
 
 @dataclasses.dataclass(frozen=True)
 class KernelCall:
-    """One kernel launch: ``kernel[grid](*args, out, **meta)`` with out of ``out_shape``."""
+    """One kernel launch: ``kernel[grid](*args, *outs, **meta)`` with outs of ``out_shape``.
+
+    ``out_shape`` is one ShapeDtypeStruct (the launch returns one array) or a tuple of them (it
+    returns a tuple). Outputs start uninitialized, except those in ``zeroed_outputs`` (zeros) and
+    those aliased to an input (that input's values).
+    """
 
     kernel: Any
     grid: tuple[int, ...]
-    args: tuple  # jax arrays in kernel parameter order, output excluded
-    out_shape: jax.ShapeDtypeStruct
+    args: tuple  # jax arrays in kernel parameter order, outputs excluded
+    out_shape: jax.ShapeDtypeStruct | tuple[jax.ShapeDtypeStruct, ...]
     meta: dict  # constexprs (sizes and strides included) plus num_warps / num_stages
     input_output_aliases: dict[int, int]  # {args index: output index}
+    zeroed_outputs: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

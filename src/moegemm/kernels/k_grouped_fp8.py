@@ -11,6 +11,9 @@ Scales, by SCALING: TENSOR ``sa[g]``, ``sb[g]``; ROW ``sa[g, ka]``, ``sb[g, nb]`
 epilogue); BLOCK ``sa[blk, ka]``, ``sb[blk, nb]`` per 128-token block, blocks starting at each
 group's first token (blk = sum_{h<g} cdiv(rows_h, 128) + i), promoted into fp32 every step.
 An empty group writes exact zeros, or, accumulating, leaves out[g] untouched (as the BF16 kernel).
+Expert parallelism (``HAS_GROUP_OFFSET``): the transposed copies and their scales are laid out over all
+G_TOTAL groups of group_sizes, and out holds the G groups [offset, offset + G), offset =
+``*group_offset_ptr``; their tokens are read in place.
 """
 
 from __future__ import annotations
@@ -22,7 +25,13 @@ import triton.language as tl
 
 from moegemm.kernels.m_grouped_fp8 import SCALINGS
 from moegemm.kernels.quantize_fp8 import T_ALIGN  # the data_t layout both kernels agree on
-from moegemm.kernels.schedule import aligned_group_offsets, group_row_bounds, pick, swizzle_tile
+from moegemm.kernels.schedule import (
+    aligned_group_offsets,
+    clamped_group_offset,
+    group_row_bounds,
+    pick,
+    swizzle_tile,
+)
 
 
 @triton.jit
@@ -32,12 +41,14 @@ def k_grouped_mm_fp8_kernel(
     sa_ptr,
     sb_ptr,
     group_sizes_ptr,
+    group_offset_ptr,  # int32 [1]: the first local group (read only with HAS_GROUP_OFFSET)
     c_ptr,
     out_ptr,
     M,
     N,
     K,
     G,
+    G_TOTAL,  # entries of group_sizes (G without a group offset)
     stride_ak,
     stride_ar: tl.constexpr,
     stride_bn,
@@ -54,7 +65,8 @@ def k_grouped_mm_fp8_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr,
-    BLOCK_G: tl.constexpr,
+    BLOCK_G: tl.constexpr,  # > G_TOTAL
+    HAS_GROUP_OFFSET: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     SCALING: tl.constexpr,
@@ -63,9 +75,14 @@ def k_grouped_mm_fp8_kernel(
     UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    offs, starts, ends = group_row_bounds(group_sizes_ptr, G, M, BLOCK_G)
-    t_units = aligned_group_offsets(offs, starts, ends, G, T_ALIGN)
-    blocks = tl.where(offs < G, tl.cdiv(ends - starts, SCALE_BLOCK), 0)
+    # Every group's bounds, token columns and scale blocks: a local group's come after all groups before it.
+    offs, starts, ends = group_row_bounds(group_sizes_ptr, G_TOTAL, M, BLOCK_G)
+    if HAS_GROUP_OFFSET:
+        first_group = clamped_group_offset(group_offset_ptr, G, G_TOTAL)
+    else:
+        first_group = 0
+    t_units = aligned_group_offsets(offs, starts, ends, G_TOTAL, T_ALIGN)
+    blocks = tl.where(offs < G_TOTAL, tl.cdiv(ends - starts, SCALE_BLOCK), 0)
     block_base = tl.cumsum(blocks, 0) - blocks
     k_tiles = tl.cdiv(K, BLOCK_K)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -78,7 +95,8 @@ def k_grouped_mm_fp8_kernel(
         offs_n = offs_n.to(tl.int64)
         offs_r = offs_r.to(tl.int64)
     for tile in range(pid, G * tiles_per_group, NUM_PROGRAMS):
-        g = tile // tiles_per_group
+        g_out = tile // tiles_per_group
+        g = first_group + g_out  # the group in group_sizes, the operands and their scales
         k_tile, n_tile = swizzle_tile(tile % tiles_per_group, k_tiles, n_tiles, GROUP_M)
         rows = pick(ends, offs, g) - pick(starts, offs, g)
         col0 = pick(t_units, offs, g) * T_ALIGN  # a multiple of 16 that Triton can see
@@ -125,7 +143,7 @@ def k_grouped_mm_fp8_kernel(
             )
             acc *= sa[:, None] * sb[None, :]
         out_offs = (
-            g.to(tl.int64) * stride_og
+            g_out.to(tl.int64) * stride_og
             + k0 * stride_ok
             + n0 * stride_on
             + (offs_k[:, None] * stride_ok + offs_n[None, :] * stride_on)
@@ -160,7 +178,10 @@ class KGroupedFp8Launch:
         max_stride: int,
         accumulate: bool,
         fast_accum: bool,
+        g_total: int | None = None,
     ) -> KGroupedFp8Launch:
+        """g_total: expert parallelism: group_sizes has g_total entries, out the G local groups from a
+        device-side group offset (None: no offset, g_total = G)."""
         if recipe == "blockwise" and 128 % config.block_r:
             raise ValueError(f"blockwise scaling needs BLOCK_R dividing 128, got {config.block_r}")
         tiles = G * triton.cdiv(K, config.block_k) * triton.cdiv(N, config.block_n)
@@ -171,7 +192,8 @@ class KGroupedFp8Launch:
             BLOCK_N=config.block_n,
             BLOCK_R=config.block_r,
             GROUP_M=config.group_m,
-            BLOCK_G=max(16, triton.next_power_of_2(G)),
+            BLOCK_G=max(16, triton.next_power_of_2(G if g_total is None else g_total)),
+            HAS_GROUP_OFFSET=g_total is not None,
             WIDE_OFFSETS=2 * max(config.block_k, config.block_n, config.block_r) * max_stride >= 2**31,
             ACCUMULATE=accumulate,
             SCALING=SCALINGS[recipe],

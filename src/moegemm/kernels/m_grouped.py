@@ -23,34 +23,7 @@ import dataclasses
 import triton
 import triton.language as tl
 
-from moegemm.kernels.schedule import (
-    group_row_bounds,
-    local_group_row_bounds,
-    locate_row_tile,
-    pick,
-    row_tile_space,
-)
-
-
-@triton.jit
-def store_zero_tiles(
-    out_ptr, z_begin, z_end, first_row, local_end, head_tiles, M, N, n_tiles, stride_om, stride_on,
-    offs_m, offs_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """Zero tiles [z_begin, z_end) of the unowned rows [0, first_row) and [local_end, M): row tile
-    z // n_tiles (the head's row tiles first, then the tail's), column tile z % n_tiles."""
-    zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
-    for z in range(z_begin, z_end):
-        row_tile = z // n_tiles
-        in_head = row_tile < head_tiles
-        row0 = tl.where(in_head, row_tile * BLOCK_M, local_end + (row_tile - head_tiles) * BLOCK_M).to(
-            tl.int64
-        )
-        row_end = tl.where(in_head, first_row, M)
-        col0 = (z % n_tiles) * BLOCK_N
-        mask = (offs_m < row_end - row0)[:, None] & (offs_n < N - col0)[None, :]
-        base = out_ptr + row0 * stride_om + col0.to(tl.int64) * stride_on
-        tl.store(base + (offs_m[:, None] * stride_om + offs_n[None, :] * stride_on), zero, mask=mask)
+from moegemm.kernels.schedule import locate_row_tile, m_grouped_tile_space, store_zero_tiles
 
 
 @triton.jit
@@ -96,30 +69,16 @@ def m_grouped_mm_kernel(
     PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    # The last slot collects the rows past the last group: bounds [min(total, M), M). Every slot
-    # g >= G is zero-filled.
     n_tiles = tl.cdiv(N, BLOCK_N)
-    if HAS_GROUP_OFFSET:
-        # The tile space holds the local groups only (its tail slot is cut to nothing at local_end);
-        # the unowned rows before (slot G's [0, first_row)) and after them are zero tiles, which
-        # every loop iteration interleaves with its GEMM tile (a share of ``zero_per_tile``), so their
-        # stores drain while tensor cores work instead of forming a store-only tail wave.
-        offs, starts, ends = local_group_row_bounds(
-            group_sizes_ptr, group_offset_ptr, G, G_TOTAL, M, BLOCK_G, BLOCK_G_TOTAL
-        )
-        first_row = pick(ends, offs, G)
-        local_end = tl.maximum(tl.max(tl.where(offs < G, ends, 0), 0), first_row)
-        starts, ends, m_tiles, tile_ends, total_tiles = row_tile_space(
-            offs, starts, ends, G, local_end, n_tiles, BLOCK_M
-        )
-        head_tiles = tl.cdiv(first_row, BLOCK_M)
-        zero_tiles = (head_tiles + tl.cdiv(M - local_end, BLOCK_M)) * n_tiles
-        zero_per_tile = tl.cdiv(zero_tiles, tl.maximum(total_tiles, NUM_PROGRAMS))
-    else:
-        offs, starts, ends = group_row_bounds(group_sizes_ptr, G, M, BLOCK_G)
-        starts, ends, m_tiles, tile_ends, total_tiles = row_tile_space(
-            offs, starts, ends, G, M, n_tiles, BLOCK_M
-        )
+    # Slot G (no offset) zero-fills the rows past the last group; with a group offset the unowned rows
+    # are zero tiles interleaved with the GEMM tiles (m_grouped_tile_space says how).
+    (
+        offs, starts, ends, m_tiles, tile_ends, total_tiles, first_row, local_end, head_tiles, zero_tiles,
+        zero_per_tile,
+    ) = m_grouped_tile_space(
+        group_sizes_ptr, group_offset_ptr, G, G_TOTAL, M, n_tiles, NUM_PROGRAMS, BLOCK_M, BLOCK_G,
+        BLOCK_G_TOTAL, HAS_GROUP_OFFSET,
+    )  # fmt: skip
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)

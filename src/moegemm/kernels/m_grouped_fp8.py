@@ -13,7 +13,11 @@ Scales (``moegemm.fp8`` has the layouts), by SCALING:
   product leaves the tensor cores and is scaled into the fp32 accumulator (DeepSeek-V3's promotion).
 
 The tile schedule is the BF16 kernel's (``moegemm.kernels.schedule``): a persistent grid over the
-group-by-group tile space, slot G zero-filling the unowned rows.
+group-by-group tile space, slot G zero-filling the unowned rows. Expert parallelism
+(``HAS_GROUP_OFFSET``) as in the BF16 kernel: group_sizes holds G_TOTAL groups, w (and its scales,
+and a bias) the G local ones from ``*group_offset_ptr``; the local rows are read and written in place
+and the others zero-filled. Activation scales stay global: per row, or (tensorwise, per group) indexed
+by the global group when sx has G_TOTAL entries.
 """
 
 from __future__ import annotations
@@ -23,7 +27,12 @@ import dataclasses
 import triton
 import triton.language as tl
 
-from moegemm.kernels.schedule import group_row_bounds, locate_row_tile, row_tile_space
+from moegemm.kernels.schedule import (
+    clamped_group_offset,
+    locate_row_tile,
+    m_grouped_tile_space,
+    store_zero_tiles,
+)
 
 TENSOR, ROW, BLOCK = 0, 1, 2
 SCALINGS = {"tensorwise": TENSOR, "rowwise": ROW, "blockwise": BLOCK}
@@ -36,12 +45,14 @@ def m_grouped_mm_fp8_kernel(
     sx_ptr,
     sw_ptr,
     group_sizes_ptr,
+    group_offset_ptr,  # int32 [1]: the first local group (read only with HAS_GROUP_OFFSET)
     bias_ptr,
     out_ptr,
     M,
     N: tl.constexpr,
     K: tl.constexpr,
     G: tl.constexpr,
+    G_TOTAL: tl.constexpr,  # entries of group_sizes (G without a group offset)
     stride_xm,
     stride_xk,
     stride_wg,
@@ -51,7 +62,7 @@ def m_grouped_mm_fp8_kernel(
     stride_on,
     stride_bg,
     stride_bn,
-    stride_sxg,  # TENSOR
+    stride_sxg,  # TENSOR: per group of group_sizes (G_TOTAL entries), or 0 (one scale)
     stride_sxm,  # ROW, BLOCK
     stride_sxk,  # BLOCK
     stride_swg,
@@ -63,6 +74,8 @@ def m_grouped_mm_fp8_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     BLOCK_G: tl.constexpr,
+    BLOCK_G_TOTAL: tl.constexpr,
+    HAS_GROUP_OFFSET: tl.constexpr,
     EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,
@@ -72,9 +85,18 @@ def m_grouped_mm_fp8_kernel(
     UPCAST: tl.constexpr,  # interpreter only: no FP8 tensor cores, so the operands go to fp32 (exact)
 ):
     pid = tl.program_id(0)
-    offs, starts, ends = group_row_bounds(group_sizes_ptr, G, M, BLOCK_G)
     n_tiles = tl.cdiv(N, BLOCK_N)
-    starts, ends, m_tiles, tile_ends, total_tiles = row_tile_space(offs, starts, ends, G, M, n_tiles, BLOCK_M)
+    (
+        offs, starts, ends, m_tiles, tile_ends, total_tiles, first_row, local_end, head_tiles, zero_tiles,
+        zero_per_tile,
+    ) = m_grouped_tile_space(
+        group_sizes_ptr, group_offset_ptr, G, G_TOTAL, M, n_tiles, NUM_PROGRAMS, BLOCK_M, BLOCK_G,
+        BLOCK_G_TOTAL, HAS_GROUP_OFFSET,
+    )  # fmt: skip
+    if HAS_GROUP_OFFSET:
+        first_group = clamped_group_offset(group_offset_ptr, G, G_TOTAL)  # of sx's per-group scales
+    else:
+        first_group = 0
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -129,7 +151,8 @@ def m_grouped_mm_fp8_kernel(
             else:
                 acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE_ACC)
         if SCALING == 0:
-            acc *= tl.load(sx_ptr + g_w * stride_sxg) * tl.load(sw_ptr + g_w * stride_swg)
+            sx_g = (first_group + g_w).to(tl.int64)
+            acc *= tl.load(sx_ptr + sx_g * stride_sxg) * tl.load(sw_ptr + g_w * stride_swg)
         elif SCALING == 1:
             sx = tl.load(sx_ptr + (row0 + offs_m) * stride_sxm, mask=row_mask, other=0.0)
             sw = tl.load(sw_ptr + g_w * stride_swg + (col0 + offs_n) * stride_swn, mask=col_mask, other=0.0)
@@ -144,6 +167,18 @@ def m_grouped_mm_fp8_kernel(
         tl.store(
             out_base + out_offs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :]
         )
+        if HAS_GROUP_OFFSET:
+            zero_begin = tile * zero_per_tile
+            store_zero_tiles(
+                out_ptr, zero_begin, tl.minimum(zero_begin + zero_per_tile, zero_tiles), first_row, local_end,
+                head_tiles, M, N, n_tiles, stride_om, stride_on, offs_m, offs_n, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+    if HAS_GROUP_OFFSET:  # zero tiles no GEMM tile took (all of them when no local group has rows)
+        for z in range(total_tiles * zero_per_tile + pid, zero_tiles, NUM_PROGRAMS):
+            store_zero_tiles(
+                out_ptr, z, z + 1, first_row, local_end, head_tiles, M, N, n_tiles, stride_om, stride_on,
+                offs_m, offs_n, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,13 +202,16 @@ class MGroupedFp8Launch:
         max_stride: int,
         has_bias: bool,
         fast_accum: bool,
+        g_total: int | None = None,
     ) -> MGroupedFp8Launch:
         """fast_accum: let the tensor cores accumulate a whole tile's K (sm90's default for FP8, like
-        torch's use_fast_accum); otherwise partial sums are promoted to fp32 every BLOCK_K."""
+        torch's use_fast_accum); otherwise partial sums are promoted to fp32 every BLOCK_K.
+        g_total: expert parallelism, as MGroupedLaunch.make (None: no group offset)."""
         bm, bn, bk = config.block_m, config.block_n, config.block_k
         if recipe == "blockwise" and 128 % bk:
             raise ValueError(f"blockwise scaling needs BLOCK_K dividing 128, got {bk}")
-        max_tiles = (triton.cdiv(M, bm) + G + 1) * triton.cdiv(N, bn)
+        slots = G + 1 if g_total is None else G + 2  # the unowned rows: tail, and head with an offset
+        max_tiles = (triton.cdiv(M, bm) + slots) * triton.cdiv(N, bn)
         num_programs = max(1, min(max_tiles, num_programs_cap * config.ctas_per_sm))
         meta = dict(
             NUM_PROGRAMS=num_programs,
@@ -181,7 +219,9 @@ class MGroupedFp8Launch:
             BLOCK_N=bn,
             BLOCK_K=bk,
             GROUP_M=config.group_m,
-            BLOCK_G=max(16, triton.next_power_of_2(G + 1)),
+            BLOCK_G=max(16, triton.next_power_of_2(slots)),
+            BLOCK_G_TOTAL=max(16, triton.next_power_of_2(G if g_total is None else g_total)),
+            HAS_GROUP_OFFSET=g_total is not None,
             EVEN_K=K % bk == 0,
             HAS_BIAS=has_bias,
             WIDE_OFFSETS=2 * max(bm, bn, K + bk) * max_stride >= 2**31,

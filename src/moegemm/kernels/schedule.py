@@ -31,6 +31,15 @@ def group_row_bounds(group_sizes_ptr, G, M, BLOCK_G: tl.constexpr):
 
 
 @triton.jit
+def clamped_group_offset(group_offset_ptr, G, G_TOTAL):
+    """The first local group ``*group_offset_ptr``, taken as jax.lax.dynamic_slice takes a start index:
+    negative counts from the end, then clamped to [0, G_TOTAL - G]."""
+    offset = tl.load(group_offset_ptr).to(tl.int32)
+    offset = tl.where(offset < 0, offset + G_TOTAL, offset)
+    return tl.minimum(tl.maximum(offset, 0), G_TOTAL - G)
+
+
+@triton.jit
 def local_group_row_bounds(
     group_sizes_ptr, group_offset_ptr, G, G_TOTAL, M, BLOCK_G: tl.constexpr, BLOCK_G_TOTAL: tl.constexpr
 ):
@@ -44,9 +53,7 @@ def local_group_row_bounds(
     clamped to [0, G_TOTAL - G]), so no device-side value reads outside group_sizes.
     Example, M=12, group_sizes=[3, 2, 4, 1], offset=1, G=2: starts=[3, 5, 0], ends=[5, 9, 3].
     """
-    offset = tl.load(group_offset_ptr).to(tl.int32)
-    offset = tl.where(offset < 0, offset + G_TOTAL, offset)
-    offset = tl.minimum(tl.maximum(offset, 0), G_TOTAL - G)
+    offset = clamped_group_offset(group_offset_ptr, G, G_TOTAL)
     before = tl.arange(0, BLOCK_G_TOTAL)
     skipped = tl.load(group_sizes_ptr + before, mask=before < offset, other=0).to(tl.int64)
     first_row = tl.minimum(tl.sum(tl.minimum(tl.maximum(skipped, 0), M), 0), M)
@@ -127,3 +134,67 @@ def aligned_group_offsets(offs, starts, ends, G, ALIGN: tl.constexpr):
     along the token dimension)."""
     units = tl.where(offs < G, tl.cdiv(ends - starts, ALIGN), 0)
     return tl.cumsum(units, 0) - units
+
+
+@triton.jit
+def m_grouped_tile_space(
+    group_sizes_ptr, group_offset_ptr, G, G_TOTAL, M, n_tiles, NUM_PROGRAMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_G_TOTAL: tl.constexpr, HAS_GROUP_OFFSET: tl.constexpr,
+):  # fmt: skip
+    """The tile space of an m-grouped launch (``row_tile_space``) and, with a group offset, its zero tiles.
+
+    Returns (offs, starts, ends, m_tiles, tile_ends, total_tiles, first_row, local_end, head_tiles,
+    zero_tiles, zero_per_tile). With HAS_GROUP_OFFSET the tile space holds the local groups only (its
+    tail slot is cut to nothing at local_end); the unowned rows before them ([0, first_row)) and after
+    them ([local_end, M)) are ``zero_tiles`` tiles, of which every GEMM tile stores ``zero_per_tile``
+    (``store_zero_tiles``), so their stores drain while tensor cores work instead of forming a
+    store-only tail wave. Without an offset the tail slot G zero-fills the rows past the last group and
+    the zero-tile values are 0.
+    """
+    if HAS_GROUP_OFFSET:
+        offs, starts, ends = local_group_row_bounds(
+            group_sizes_ptr, group_offset_ptr, G, G_TOTAL, M, BLOCK_G, BLOCK_G_TOTAL
+        )
+        first_row = pick(ends, offs, G)
+        local_end = tl.maximum(tl.max(tl.where(offs < G, ends, 0), 0), first_row)
+        starts, ends, m_tiles, tile_ends, total_tiles = row_tile_space(
+            offs, starts, ends, G, local_end, n_tiles, BLOCK_M
+        )
+        head_tiles = tl.cdiv(first_row, BLOCK_M)
+        zero_tiles = (head_tiles + tl.cdiv(M - local_end, BLOCK_M)) * n_tiles
+        zero_per_tile = tl.cdiv(zero_tiles, tl.maximum(total_tiles, NUM_PROGRAMS))
+    else:
+        offs, starts, ends = group_row_bounds(group_sizes_ptr, G, M, BLOCK_G)
+        starts, ends, m_tiles, tile_ends, total_tiles = row_tile_space(
+            offs, starts, ends, G, M, n_tiles, BLOCK_M
+        )
+        first_row = 0
+        local_end = M
+        head_tiles = 0
+        zero_tiles = 0
+        zero_per_tile = 0
+    return (
+        offs, starts, ends, m_tiles, tile_ends, total_tiles, first_row, local_end, head_tiles, zero_tiles,
+        zero_per_tile,
+    )  # fmt: skip
+
+
+@triton.jit
+def store_zero_tiles(
+    out_ptr, z_begin, z_end, first_row, local_end, head_tiles, M, N, n_tiles, stride_om, stride_on,
+    offs_m, offs_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Zero tiles [z_begin, z_end) of the unowned rows [0, first_row) and [local_end, M): row tile
+    z // n_tiles (the head's row tiles first, then the tail's), column tile z % n_tiles."""
+    zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
+    for z in range(z_begin, z_end):
+        row_tile = z // n_tiles
+        in_head = row_tile < head_tiles
+        row0 = tl.where(in_head, row_tile * BLOCK_M, local_end + (row_tile - head_tiles) * BLOCK_M).to(
+            tl.int64
+        )
+        row_end = tl.where(in_head, first_row, M)
+        col0 = (z % n_tiles) * BLOCK_N
+        mask = (offs_m < row_end - row0)[:, None] & (offs_n < N - col0)[None, :]
+        base = out_ptr + row0 * stride_om + col0.to(tl.int64) * stride_on
+        tl.store(base + (offs_m[:, None] * stride_om + offs_n[None, :] * stride_on), zero, mask=mask)

@@ -119,8 +119,9 @@ def launch_m_grouped_fp8(x, sx, w, sw, group_sizes, out, bias, recipe: str, fast
     spec = (M, N, K, G, recipe, x.dtype, x.device, max(map(abs, strides)), bias is not None, fast_accum)
     M_GROUPED_FP8.launch(
         spec,
-        (x, w, sx, sw, group_sizes, sx if bias is None else bias, out),
-        (M, N, K, G, *strides, *_m_scale_strides(recipe, sx, sw)),
+        # No group offset: group_sizes fills its slot, never read.
+        (x, w, sx, sw, group_sizes, group_sizes, sx if bias is None else bias, out),
+        (M, N, K, G, G, *strides, *_m_scale_strides(recipe, sx, sw)),
         lambda: _m_launch(*spec),
     )
 
@@ -137,8 +138,8 @@ def launch_k_grouped_fp8(
     spec = (M, N, K, G, recipe, a_t.dtype, a_t.device, max(map(abs, strides)), accumulate, fast_accum)
     K_GROUPED_FP8.launch(
         spec,
-        (a_t, b_t, sa, sb, group_sizes, out, out),
-        (M, N, K, G, *strides, *_k_scale_strides(sa), *_k_scale_strides(sb)),
+        (a_t, b_t, sa, sb, group_sizes, group_sizes, out, out),
+        (M, N, K, G, G, *strides, *_k_scale_strides(sa), *_k_scale_strides(sb)),
         lambda: _k_launch(*spec),
     )
 
