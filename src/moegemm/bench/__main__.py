@@ -76,6 +76,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="with --tune: accumulation modes to tune (promoted: fp32 every 128 of K; fast: fast_accum)",
     )
     fp8.add_argument(
+        "--fp8-jax",
+        action="store_true",
+        help="with --fp8: the FP8 kernels from JAX against the same from PyTorch (device time), instead",
+    )
+    fp8.add_argument(
         "--fp8-step-cases", default="", help="cases for a GroupedLinear fwd+bwd step, BF16 vs each recipe"
     )
     return p.parse_args(argv)
@@ -145,6 +150,16 @@ def main(argv=None) -> int:
             / f"{harness.Environment.detect(device).device_slug}-{time.strftime('%Y-%m-%d')}-ep.json"
         )
         ep.run(select_cases(args, shapes, cuda), [int(v) for v in _csv(args.ep)], device, out, seed=args.seed)
+        return 0
+    if args.fp8 and args.fp8_jax:
+        from moegemm.bench import fp8_jax
+
+        out = (
+            args.out
+            or Path("benchmarks/results")
+            / f"{harness.Environment.detect(device).device_slug}-{time.strftime('%Y-%m-%d')}-fp8-jax.json"
+        )
+        fp8_jax.run(select_cases(args, shapes, cuda), ops, _csv(args.fp8_recipes), device, out)
         return 0
     if args.fp8:
         from moegemm import configs
