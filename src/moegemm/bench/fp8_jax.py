@@ -10,16 +10,21 @@ differentiable ``ragged_dot_fp8`` fwd+bwd against moegemm's BF16 ``ragged_dot`` 
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import torch
+import os
 
-from moegemm import shapes
-from moegemm.bench import timing
-from moegemm.jax import api as jax_api
-from moegemm.jax import fp8 as jfp8
-from moegemm.torch.fp8 import k_grouped_mm_fp8, m_grouped_mm_fp8, quantize_fp8
+# The PyTorch side allocates on the same GPU: JAX must not take 75% of it up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from moegemm import shapes  # noqa: E402
+from moegemm.bench import timing  # noqa: E402
+from moegemm.jax import api as jax_api  # noqa: E402
+from moegemm.jax import fp8 as jfp8  # noqa: E402
+from moegemm.torch.fp8 import k_grouped_mm_fp8, m_grouped_mm_fp8, quantize_fp8  # noqa: E402
 
 
 def _to_jax(t: torch.Tensor) -> jax.Array:
