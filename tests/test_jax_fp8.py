@@ -82,6 +82,25 @@ class JaxFp8Test:
         if self.BACKEND == "interpret":
             assert _interpret.CALLS.total() > before, "the interpreter backend launched no kernel"
 
+    def assert_same_quantization(self, got, want):
+        """Bit for bit, except where the jnp twin runs on a GPU: XLA's fp32 division there is not
+        correctly rounded (the kernels' div_rn is), so a scale may differ by 1 ulp and an element
+        next to a rounding boundary by one FP8 code."""
+        if self.BACKEND != "triton":
+            np.testing.assert_array_equal(
+                np.asarray(got.data).view(np.uint8), np.asarray(want.data).view(np.uint8)
+            )
+            np.testing.assert_array_equal(np.asarray(got.scale), np.asarray(want.scale))
+            return
+        np.testing.assert_array_max_ulp(np.asarray(got.scale), np.asarray(want.scale), maxulp=1)
+        self.assert_same_values(got.dequantize(), want.dequantize())
+
+    def assert_same_values(self, got, want):
+        if self.BACKEND != "triton":
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        else:
+            assert relerr(got, want) <= 1e-3
+
     def q(self, x, recipe, **kw):
         return jfp8.quantize_fp8(x, recipe, backend=self.BACKEND, **kw)
 
@@ -92,23 +111,15 @@ class JaxFp8Test:
         x, w, _ = _inputs(0, M, K, N, len(sizes), jnp.bfloat16)
         gs = jnp.asarray(sizes, jnp.int32)
         got = self.q(x, recipe, group_sizes=gs, dtype=dtype, transpose=True)
-        want = reference_fp8.quantize_activation(x, gs, recipe, dtype, True)
-        np.testing.assert_array_equal(np.asarray(got.data).view(np.uint8), np.asarray(want[0]).view(np.uint8))
-        np.testing.assert_array_equal(np.asarray(got.scale), np.asarray(want[1]))
+        want = jfp8.Fp8Array(*reference_fp8.quantize_activation(x, gs, recipe, dtype, True), gs, recipe)
+        self.assert_same_quantization(got, want)
         # The transposed copy: only each group's columns are specified, so compare it dequantized.
-        np.testing.assert_array_equal(
-            np.asarray(got.dequantize_t()), np.asarray(jfp8.Fp8Array(*want, gs, recipe).dequantize_t())
-        )
+        self.assert_same_values(got.dequantize_t(), want.dequantize_t())
         wn = jnp.swapaxes(w, 1, 2)  # a weight [G, N, K]
         got_w = self.q(wn, recipe, dtype=dtype, transpose=True)
-        want_w = reference_fp8.quantize_weight(wn, recipe, dtype, True)
-        np.testing.assert_array_equal(
-            np.asarray(got_w.data).view(np.uint8), np.asarray(want_w[0]).view(np.uint8)
-        )
-        np.testing.assert_array_equal(np.asarray(got_w.scale), np.asarray(want_w[1]))
-        np.testing.assert_array_equal(
-            np.asarray(got_w.data_t)[..., : wn.shape[1]].view(np.uint8), np.asarray(want_w[2]).view(np.uint8)
-        )
+        want_w = jfp8.Fp8Array(*reference_fp8.quantize_weight(wn, recipe, dtype, True), None, recipe)
+        self.assert_same_quantization(got_w, want_w)
+        self.assert_same_values(got_w.dequantize_t(), want_w.dequantize_t())
         # The round trip keeps E4M3's ~2^-4 relative precision per element (outliers included).
         tol = 0.04 if dtype == E4M3 else 0.08
         assert (
