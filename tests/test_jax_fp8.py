@@ -82,6 +82,13 @@ class JaxFp8Test:
         if self.BACKEND == "interpret":
             assert _interpret.CALLS.total() > before, "the interpreter backend launched no kernel"
 
+    @property
+    def exact(self) -> float:
+        """GEMM tolerance vs fp64 of the dequantized operands: on CPU the products are exact and only
+        the fp32 summation order differs; Hopper's FP8 tensor cores accumulate each BLOCK_K step at
+        reduced precision before the fp32 promotion (the issue's relerr <= 1e-3)."""
+        return 1e-3 if self.BACKEND == "triton" else EXACT
+
     def assert_same_quantization(self, got, want):
         """Bit for bit, except where the jnp twin runs on a GPU: XLA's fp32 division there is not
         correctly rounded (the kernels' div_rn is), so a scale may differ by 1 ulp and an element
@@ -148,12 +155,12 @@ class JaxFp8Test:
         w_q = self.q(jnp.swapaxes(w, 1, 2), recipe, transpose=True)  # [G, N, K]
         run = functools.partial(jfp8.m_grouped_mm_fp8, out_dtype=jnp.float32, backend=self.BACKEND)
         out = run(x_q, w_q, gs)
-        assert relerr(out, grouped(x_q.dequantize(), w_q.dequantize(), sizes, M)) <= EXACT, name
+        assert relerr(out, grouped(x_q.dequantize(), w_q.dequantize(), sizes, M)) <= self.exact, name
         dx = run(dy_q, w_q.t(), gs)
         w_t = np.swapaxes(np.asarray(w_q.dequantize_t()), 1, 2)  # [G, K, N]
-        assert relerr(dx, grouped(dy_q.dequantize(), w_t, sizes, M)) <= EXACT, name
+        assert relerr(dx, grouped(dy_q.dequantize(), w_t, sizes, M)) <= self.exact, name
         dw = jfp8.k_grouped_mm_fp8(dy_q, x_q, backend=self.BACKEND)
-        assert relerr(dw, wgrad(dy_q.dequantize_t(), x_q.dequantize_t(), sizes, M)) <= EXACT, name
+        assert relerr(dw, wgrad(dy_q.dequantize_t(), x_q.dequantize_t(), sizes, M)) <= self.exact, name
         owned = sum(max(s, 0) for s in sizes)
         assert (np.asarray(out)[owned:] == 0).all() and (np.asarray(dx)[owned:] == 0).all()
         for g, (s, e) in enumerate(group_bounds(sizes, M)):
@@ -188,14 +195,14 @@ class JaxFp8Test:
             want = np.zeros((M, N))
             want[lo:hi] = np.asarray(full)[lo:hi]
             assert (
-                relerr(out, want) <= EXACT
+                relerr(out, want) <= self.exact
                 and (np.asarray(out)[:lo] == 0).all()
                 and (np.asarray(out)[hi:] == 0).all()
             )
             dw = jfp8.k_grouped_mm_fp8(
                 dy_q, x_q, group_offset=offset, num_groups=G_local, backend=self.BACKEND
             )
-            assert relerr(dw, np.asarray(dw_full)[first : first + G_local]) <= EXACT
+            assert relerr(dw, np.asarray(dw_full)[first : first + G_local]) <= self.exact
 
     def test_k_grouped_accumulate(self):
         M, K, N, sizes = 40, 48, 24, [15, 0, 25]
@@ -205,7 +212,7 @@ class JaxFp8Test:
         c = jnp.asarray(np.random.default_rng(0).standard_normal((3, N, K)), jnp.float32)
         out = jfp8.k_grouped_mm_fp8(dy_q, x_q, accumulate=c, backend=self.BACKEND)
         want = np.asarray(c, np.float64) + wgrad(dy_q.dequantize_t(), x_q.dequantize_t(), sizes, M)
-        assert relerr(out, want) <= EXACT
+        assert relerr(out, want) <= self.exact
         np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(c[1]))  # the empty group: untouched
 
     def test_bad_sizes_are_clamped(self):
@@ -217,7 +224,7 @@ class JaxFp8Test:
             out = jfp8.m_grouped_mm_fp8(
                 x_q, w_q, jnp.asarray(bad, jnp.int32), out_dtype=jnp.float32, backend=self.BACKEND
             )
-            assert relerr(out, grouped(x_q.dequantize(), w_q.dequantize(), clamped, M)) <= EXACT
+            assert relerr(out, grouped(x_q.dequantize(), w_q.dequantize(), clamped, M)) <= self.exact
 
     @pytest.mark.parametrize("recipe", RECIPES)
     def test_ragged_dot_fp8_values_and_grads_under_jit(self, recipe):
@@ -249,7 +256,7 @@ class JaxFp8Test:
         wq = jfp8.Fp8Array(*reference_fp8.quantize_weight(w, recipe, E4M3, True), None, recipe)
         w_kn = np.asarray(wq.dequantize())  # [G, K, N] from its plain copy (dgrad operand)
         w_fwd = np.asarray(wq.dequantize_t())  # the transposed copy, back in [G, K, N] (fprop operand)
-        assert relerr(out, grouped(xq.dequantize(), np.swapaxes(w_fwd, 1, 2), sizes, M)) <= EXACT
+        assert relerr(out, grouped(xq.dequantize(), np.swapaxes(w_fwd, 1, 2), sizes, M)) <= self.exact
         assert relerr(dx, grouped(dyq.dequantize(), w_kn, sizes, M)) <= 8e-3  # bf16 output
         assert relerr(dw, wgrad(xq.dequantize_t(), dyq.dequantize_t(), sizes, M)) <= 8e-3
         # Against the unquantized fp64 math: FP8's error, bounded (a regression to garbage fails).
