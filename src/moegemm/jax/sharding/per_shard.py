@@ -52,11 +52,20 @@ def m_grouped_gather(plan: MGroupedPlan, lhs, rhs, group_sizes):
     return lhs, rhs, *shard_groups(plan.rows, plan.experts, group_sizes, lhs.shape[0], rhs.shape[0])
 
 
+def _scale_axes(ops: LocalOps, *per_operand: tuple[Axes, Axes]) -> dict:
+    """{"scale_axes": ((rows, columns) mesh axes per operand)} for ops that quantize, else {}."""
+    return {"scale_axes": per_operand} if getattr(ops, "takes_scale_axes", False) else {}
+
+
 def m_grouped_local(plan: MGroupedPlan, ops: LocalOps, out_dtype, lhs, rhs, group_sizes):
     """Run `plan` on this shard's blocks (inside a partitioned computation or shard_map)."""
     lhs, rhs, group_sizes, offset = m_grouped_gather(plan, lhs, rhs, group_sizes)
     acc = jnp.float32 if plan.reduces else out_dtype
-    out = ops.ragged_dot(lhs, rhs, group_sizes, offset, acc)
+    # FP8 local calls also take the mesh axes that share each operand's scales (moegemm.jax.sharding.fp8).
+    k = plan.lhs[1]
+    out = ops.ragged_dot(
+        lhs, rhs, group_sizes, offset, acc, **_scale_axes(ops, (plan.rows, k), (k, plan.out[1]))
+    )
     if plan.psum:
         out = jax.lax.psum(out, plan.psum)
     if plan.scatter:
@@ -68,7 +77,8 @@ def k_grouped_local(plan: KGroupedPlan, ops: LocalOps, out_dtype, a, b, group_si
     """Run `plan` on this shard's blocks: out [G_local, K, N] of the num_groups global groups."""
     G_local = num_groups // math.prod(jax.lax.axis_size(x) for x in plan.experts)
     group_sizes, offset = shard_groups(plan.rows, plan.experts, group_sizes, a.shape[0], G_local)
-    out = ops.k_grouped_mm(a, b, group_sizes, offset, G_local, jnp.float32)
+    scale_axes = _scale_axes(ops, (plan.rows, plan.a[1]), (plan.rows, plan.b[1]))
+    out = ops.k_grouped_mm(a, b, group_sizes, offset, G_local, jnp.float32, **scale_axes)
     for dim, axes in enumerate(plan.scatter):
         if axes:
             out = jax.lax.psum_scatter(out, axes, scatter_dimension=dim, tiled=True)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from moegemm.jax.sharding.local_ops import LocalOps, resolve_ops
-from moegemm.jax.sharding.per_shard import all_gather, m_grouped_gather, m_grouped_local
+from moegemm.jax.sharding.per_shard import _scale_axes, all_gather, m_grouped_gather, m_grouped_local
 from moegemm.jax.sharding.plans import Axes, ShardingRuleError, dims, plan_m_grouped, spec
 
 
@@ -36,8 +36,15 @@ def _shard_map_ragged_dot_bwd(plan, ops, out_dtype, res, dout):
     lhs, rhs, group_sizes = res
     lhs_full, rhs_full, group_sizes, offset = m_grouped_gather(plan, lhs, rhs, group_sizes)
     dout = all_gather(dout, plan.scatter, 0)
-    dlhs = ops.ragged_dot(dout, jnp.swapaxes(rhs_full, 1, 2), group_sizes, offset, jnp.float32)
-    drhs = ops.k_grouped_mm(lhs_full, dout, group_sizes, offset, rhs_full.shape[0], jnp.float32)
+    k, n = plan.lhs[1], plan.out[1]
+    dlhs = ops.ragged_dot(
+        dout, jnp.swapaxes(rhs_full, 1, 2), group_sizes, offset, jnp.float32,
+        **_scale_axes(ops, (plan.rows, n), (n, k)),
+    )  # fmt: skip
+    drhs = ops.k_grouped_mm(
+        lhs_full, dout, group_sizes, offset, rhs_full.shape[0], jnp.float32,
+        **_scale_axes(ops, (plan.rows, k), (plan.rows, n)),
+    )  # fmt: skip
     if plan.row_gather:
         dlhs = jax.lax.psum_scatter(dlhs, plan.row_gather, scatter_dimension=0, tiled=True)
     for dim, axes in ((1, plan.rhs_gather[0]), (2, plan.rhs_gather[1])):
