@@ -114,3 +114,29 @@ def test_grouped_dense_group_offset(backend):
 def test_make_ragged_dot_cls_rejects_unservable_backend_at_build_time():
     with pytest.raises(ValueError, match="backend must be one of"):
         mflax.make_ragged_dot_cls(backend="pallas")
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_grouped_dense_fp8_recipe_one_argument(backend, recipe):
+    """fp8_recipe switches an existing layer to FP8: same parameters, values and gradients are
+    ragged_dot_fp8's (the FP8 op itself is checked in test_jax_fp8.py), FP8-close to the BF16 layer."""
+    from moegemm.jax import fp8 as jfp8
+
+    M, K, N, sizes = 40, 32, 24, [10, 0, 25, 5]
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((M, K)), jnp.float32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    plain = mflax.GroupedDense(4, N, ragged_dot_cls=mflax.make_ragged_dot_cls(backend=backend))
+    layer = mflax.GroupedDense(4, N, fp8_recipe=recipe, backend=backend)
+    params = plain.init(jax.random.key(0), x, gs)
+    loss = lambda layer: lambda p, x: jnp.sum(jnp.sin(layer.apply(p, x, gs)))
+    (value, (dp, dx)) = jax.value_and_grad(loss(layer), argnums=(0, 1))(params, x)
+    kernel = params["params"]["kernel"]
+    direct = lambda k, x: jnp.sum(jnp.sin(jfp8.ragged_dot_fp8(x, k, gs, recipe=recipe, backend=backend)))
+    want_value, (want_dk, want_dx) = jax.value_and_grad(direct, argnums=(0, 1))(kernel, x)
+    assert float(value) == float(want_value)
+    np.testing.assert_array_equal(np.asarray(dp["params"]["kernel"]), np.asarray(want_dk))
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(want_dx))
+    out_fp8, out_bf16 = layer.apply(params, x, gs), plain.apply(params, x, gs)
+    assert 0 < relerr(out_fp8, out_bf16) < 0.1  # FP8, not a silent fallback to the high-precision op
+    with pytest.raises(ValueError, match="recipe"):
+        mflax.make_ragged_dot_cls(backend=backend, fp8_recipe="mxfp8")

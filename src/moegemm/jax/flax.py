@@ -23,22 +23,42 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from moegemm import fp8
 from moegemm.jax import api
+from moegemm.jax import fp8 as jax_fp8
 
 
-def make_ragged_dot_cls(*, backend: api.Backend = "auto") -> type[nn.Module]:
-    """A stateless linen Module class whose instances are called like ``jax.lax.ragged_dot``."""
+def make_ragged_dot_cls(*, backend: api.Backend = "auto", fp8_recipe: str | None = None) -> type[nn.Module]:
+    """A stateless linen Module class whose instances are called like ``jax.lax.ragged_dot``.
+
+    ``fp8_recipe`` ("tensorwise", "rowwise" or "blockwise") switches the layer to FP8: operands are
+    quantized inside, and forward, dgrad and wgrad run on FP8 tensor cores (moegemm.jax.fp8.ragged_dot_fp8;
+    gradients straight through the quantization). The parameters stay in their own dtype.
+    """
     api.resolve_backend(backend)  # fail at model build time, not at the first step
+    if fp8_recipe is not None:
+        fp8.check_recipe(fp8_recipe)
 
     class MoegemmRaggedDot(nn.Module):
         def __call__(
             self, lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None
         ):
+            if fp8_recipe is not None:
+                return jax_fp8.ragged_dot_fp8(
+                    lhs,
+                    rhs,
+                    group_sizes,
+                    recipe=fp8_recipe,
+                    group_offset=group_offset,
+                    preferred_element_type=preferred_element_type,
+                    backend=backend,
+                )
             return api.ragged_dot(
                 lhs, rhs, group_sizes, precision, preferred_element_type, group_offset, backend=backend
             )
 
-    MoegemmRaggedDot.__name__ = MoegemmRaggedDot.__qualname__ = f"MoegemmRaggedDot_{backend}"
+    suffix = "" if fp8_recipe is None else f"_fp8_{fp8_recipe}"
+    MoegemmRaggedDot.__name__ = MoegemmRaggedDot.__qualname__ = f"MoegemmRaggedDot_{backend}{suffix}"
     return MoegemmRaggedDot
 
 
@@ -48,7 +68,8 @@ class GroupedDense(nn.Module):
     x [M, K] rows sorted by expert, group_sizes [G] (or [G_total] with ``group_offset`` under expert
     parallelism, kernel then holding the G local experts). Rows past sum(group_sizes) give 0.
     ``ragged_dot_cls`` picks the GEMM: ``lambda: None`` uses jax.lax.ragged_dot,
-    ``make_ragged_dot_cls()`` moegemm's Triton kernels.
+    ``make_ragged_dot_cls()`` moegemm's Triton kernels. ``fp8_recipe`` runs the layer in FP8 with
+    moegemm's kernels (it overrides ``ragged_dot_cls``): one argument switches an existing layer.
     """
 
     num_groups: int
@@ -58,6 +79,8 @@ class GroupedDense(nn.Module):
     kernel_init: Callable = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
     preferred_element_type: Any = None
     ragged_dot_cls: Callable[[], Any] = lambda: None
+    fp8_recipe: str | None = None
+    backend: api.Backend = "auto"  # for fp8_recipe
 
     @nn.compact
     def __call__(
@@ -68,7 +91,10 @@ class GroupedDense(nn.Module):
         )
         dtype = self.dtype if self.dtype is not None else jnp.result_type(x, kernel)
         x, kernel = x.astype(dtype), kernel.astype(dtype)
-        ragged_dot = self.ragged_dot_cls() or jax.lax.ragged_dot
+        if self.fp8_recipe is not None:
+            ragged_dot = make_ragged_dot_cls(backend=self.backend, fp8_recipe=self.fp8_recipe)()
+        else:
+            ragged_dot = self.ragged_dot_cls() or jax.lax.ragged_dot
         kwargs = {} if group_offset is None else {"group_offset": group_offset}
         return ragged_dot(
             x, kernel, group_sizes, preferred_element_type=self.preferred_element_type, **kwargs
