@@ -47,6 +47,20 @@ CASES = {
 }
 
 
+# The grouped quantize alone: name -> (mesh shape, axis names, x spec, recipe).
+QUANTIZE_CASES = {
+    "quantize/dp_fsdp_ep/tensorwise": (
+        (2, 2, 2),
+        ("dp", "fsdp", "ep"),
+        (("dp", "fsdp", "ep"), None),
+        "tensorwise",
+    ),
+    "quantize/dp_ep/rowwise": ((2, 4), ("dp", "ep"), (("dp", "ep"), None), "rowwise"),
+    "quantize/dp_ep/blockwise": ((2, 4), ("dp", "ep"), (("dp", "ep"), None), "blockwise"),
+    "quantize/error_blockwise_k": ((2, 4), ("dp", "tp"), ("dp", "tp"), "blockwise"),
+}
+
+
 def _run_subprocess() -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
@@ -129,6 +143,25 @@ def test_unservable_fp8_sharding_names_the_axes(report):
     assert "ShardingRuleError" in err and "rowwise" in err and "'tp'" in err, err
 
 
+@pytest.mark.parametrize("name", [n for n in QUANTIZE_CASES if "error" not in n])
+def test_sharded_quantize_equals_unsharded_bit_for_bit(report, name):
+    case = report[name]
+    assert "error" not in case, case.get("error")
+    assert case["same_data"] and case["same_scale"], case
+    assert case["data_spec"] == case["x_spec"], case
+    amax = [c for c in case["fwd"] if c["op"] == "all-reduce" and c["max"]]
+    if name.endswith("tensorwise"):
+        assert [c["shape"] for c in amax] == [[G]], case["fwd"]  # one pmax of the per-group amax
+        assert case["scale_spec"] == "()", case  # one scale per group, replicated
+    else:
+        assert case["fwd"] == [], case["fwd"]  # per-row scales: nothing to communicate
+
+
+def test_sharded_quantize_blockwise_straddling_k_raises(report):
+    err = report["quantize/error_blockwise_k"]["error"]
+    assert "ShardingRuleError" in err and "blockwise" in err and "'tp'" in err, err
+
+
 def test_no_involuntary_rematerialization(report):
     assert not [n for n, c in report.items() if "Involuntary full rematerialization" in c.get("stderr", "")]
 
@@ -196,11 +229,7 @@ def _run_case(name, data) -> dict:
     )
     exact = reference.ragged_dot_reference(x, w, gs, out_dtype=jnp.float32)
 
-    def norm(spec):  # trailing replicated dimensions dropped: P("ep") == P("ep", None, None)
-        entries = list(spec)
-        while entries and entries[-1] is None:
-            entries.pop()
-        return str(tuple(entries))
+    norm = _norm
 
     return {
         "fwd_err": rel(out, want),
@@ -213,6 +242,44 @@ def _run_case(name, data) -> dict:
         "rhs_spec": norm(b.sharding.spec),
         "dlhs_spec": norm(dlhs.sharding.spec),
         "drhs_spec": norm(drhs.sharding.spec),
+    }
+
+
+def _norm(spec) -> str:
+    """The spec with trailing replicated dimensions dropped: P("ep") == P("ep", None, None)."""
+    entries = list(spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return str(tuple(entries))
+
+
+def _run_quantize_case(name, data) -> dict:
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, NamedSharding
+
+    from moegemm.jax import fp8 as jfp8
+    from moegemm.jax import sharding
+
+    shape, axes, xs, recipe = QUANTIZE_CASES[name]
+    mesh = jax.make_mesh(shape, axes, axis_types=(AxisType.Auto,) * len(axes))
+    gs, x = data["gs"], data["x"]
+    a = jax.device_put(x, NamedSharding(mesh, _spec(xs)))
+    f = jax.jit(lambda a: sharding.quantize_fp8(a, recipe, gs, backend="reference"))
+    try:
+        got = f(a)
+    except (sharding.ShardingRuleError, jax.errors.JaxRuntimeError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    want = jfp8.quantize_fp8(x, recipe, group_sizes=gs, backend="reference")
+    return {
+        "same_data": bool(
+            np.array_equal(np.asarray(got.data).view(np.uint8), np.asarray(want.data).view(np.uint8))
+        ),
+        "same_scale": bool(np.array_equal(np.asarray(got.scale), np.asarray(want.scale))),
+        "fwd": _collectives(f.lower(a).compile().as_text()),
+        "x_spec": _norm(a.sharding.spec),
+        "data_spec": _norm(got.data.sharding.spec),
+        "scale_spec": _norm(got.scale.sharding.spec),
     }
 
 
@@ -233,14 +300,15 @@ def _run_cases() -> dict:
     }
     result = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in CASES:
+        for name in (*CASES, *QUANTIZE_CASES):
             path = os.path.join(tmp, f"{abs(hash(name))}.txt")
             sys.stderr.flush()
             saved = os.dup(2)
             with open(path, "wb") as f:
                 os.dup2(f.fileno(), 2)
             try:
-                result[name] = _run_case(name, data)
+                run = _run_quantize_case if name in QUANTIZE_CASES else _run_case
+                result[name] = run(name, data)
             finally:
                 sys.stderr.flush()
                 os.dup2(saved, 2)

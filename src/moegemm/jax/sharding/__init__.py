@@ -27,7 +27,7 @@ re-raised by XLA as JaxRuntimeError); no rule silently replicates an operand. On
 Dense GEMMs: ``moegemm.jax.collective_gemm``. The HLO collectives checker: ``moegemm.testing.hlo``.
 """
 
-from moegemm.jax.sharding.fp8 import Fp8LocalOps, fp8_local_ops, ragged_dot_fp8
+from moegemm.jax.sharding.fp8 import Fp8LocalOps, fp8_local_ops, quantize_fp8, ragged_dot_fp8
 from moegemm.jax.sharding.local_ops import REFERENCE_OPS, LocalOps, moegemm_local_ops
 from moegemm.jax.sharding.partition import ragged_dot
 from moegemm.jax.sharding.per_shard import shard_group_sizes
@@ -48,6 +48,7 @@ plan_tgmm = plan_k_grouped
 __all__ = [
     "Fp8LocalOps",
     "fp8_local_ops",
+    "quantize_fp8",
     "ragged_dot_fp8",
     "KGroupedPlan",
     "LocalOps",

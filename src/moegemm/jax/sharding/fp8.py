@@ -26,15 +26,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
 
 from moegemm import fp8
 from moegemm.jax import _ops_fp8
 from moegemm.jax.api import Backend, _executor
-from moegemm.jax.sharding.partition import ragged_dot
-from moegemm.jax.sharding.plans import Axes, ShardingRuleError
+from moegemm.jax.fp8 import Fp8Array
+from moegemm.jax.sharding.partition import named, ragged_dot, require_auto_axes
+from moegemm.jax.sharding.per_shard import linear_index, shard_group_sizes
+from moegemm.jax.sharding.plans import Axes, ShardingRuleError, dims
 
 
 def _pmax(axes: Axes):
@@ -170,3 +174,89 @@ def ragged_dot_fp8(
         preferred_element_type=preferred_element_type,
         ops=fp8_local_ops(recipe, dtype, backend),
     )
+
+
+# ---------------------------------------------------------------- the grouped quantize
+
+
+def _quantize_specs(recipe: str, m: Axes, k: Axes) -> tuple[tuple[Axes, ...], tuple[Axes, ...]]:
+    """(data's, scale's) axes per dimension for activations whose rows are sharded over m, K over k."""
+    scale = {"tensorwise": ((),), "rowwise": (m,), "blockwise": (k, m)}[recipe]
+    return (m, k), scale
+
+
+def _quantize_plan(recipe: str, x_spec, shape, mesh_shape) -> tuple[Axes, Axes]:
+    m, k = dims(x_spec, 2)
+    if recipe == "rowwise" and k:
+        raise ShardingRuleError(
+            f"rowwise FP8 scales span the whole row: x's K must not be sharded (mesh axes {k})"
+        )
+    if recipe == "blockwise" and k and (shape[1] // math.prod(mesh_shape[a] for a in k)) % fp8.SCALE_BLOCK:
+        raise ShardingRuleError(
+            f"blockwise FP8: x's K={shape[1]} sharded over mesh axes {k} leaves 1x128 tiles that straddle shards"
+        )
+    return m, k
+
+
+def _quantize_partition(recipe, dtype, backend, mesh, arg_shapes, result_shape):
+    x, _ = arg_shapes
+    m, k = _quantize_plan(recipe, x.sharding.spec, x.shape, dict(mesh.shape))
+    data_axes, scale_axes = _quantize_specs(recipe, m, k)
+    M_local = x.shape[0] // math.prod(mesh.shape[a] for a in m) if m else x.shape[0]
+
+    def lower(x, group_sizes):
+        if m:  # this shard's rows of every group
+            group_sizes = shard_group_sizes(group_sizes, linear_index(m) * M_local, M_local)
+        reduce = _pmax(m + k) if recipe == "tensorwise" else None
+        parts = _ops_fp8.quantize_activation(x, group_sizes, recipe, dtype, False, _executor(backend), reduce)
+        return parts.data, parts.scale
+
+    outs = (named(mesh, *data_axes), named(mesh, *scale_axes))
+    return mesh, lower, outs, (named(mesh, m, k), named(mesh, ()))
+
+
+def _quantize_infer(recipe, dtype, backend, mesh, arg_shapes, result_shape):
+    m, k = dims(arg_shapes[0].sharding.spec, 2)
+    data_axes, scale_axes = _quantize_specs(recipe, m, k)
+    return named(mesh, *data_axes), named(mesh, *scale_axes)
+
+
+def _quantize_rule(recipe, dtype, backend, mesh, operand_types, result_types):
+    scale = {"tensorwise": "g", "rowwise": "m", "blockwise": "b m"}[recipe]
+    factors = ("s", "g") if recipe == "tensorwise" else ("s",)
+    return f"m k, s -> m k, {scale}", {"need_replication_factors": factors}
+
+
+@partial(custom_partitioning, static_argnums=(2, 3, 4))
+def _quantize(x, group_sizes, recipe, dtype, backend):
+    parts = _ops_fp8.quantize_activation(x, group_sizes, recipe, dtype, False, _executor(backend))
+    return parts.data, parts.scale
+
+
+_quantize.def_partition(
+    partition=_quantize_partition, infer_sharding_from_operands=_quantize_infer, sharding_rule=_quantize_rule
+)
+
+
+def quantize_fp8(
+    x: jax.Array,
+    recipe: fp8.Recipe,
+    group_sizes: jax.Array,
+    *,
+    dtype=jnp.float8_e4m3fn,
+    backend: Backend = "auto",
+) -> Fp8Array:
+    """The grouped quantize of activations x [M, K] sharded under jit (``moegemm.jax.fp8.quantize_fp8``'s
+    semantics, no transposed copy): tokens may be sharded over any DP/EP/FSDP axes. Tensorwise: each
+    group's amax is computed on the shard and ``pmax``-ed over the axes sharding x, so every shard
+    casts with the unsharded tensor's scale (the data and scales equal the unsharded op's bit for bit).
+    Rowwise and blockwise scales are per row, local. data comes out sharded like x; the scale
+    replicated (tensorwise [G]), like x's rows (rowwise [M]) or [K axes, row axes] (blockwise
+    [cdiv(K, 128), M]). group_sizes [G] is global and replicated."""
+    fp8.check_recipe(recipe)
+    if x.ndim != 2 or group_sizes.ndim != 1:
+        raise ValueError(f"want x [M, K] and group_sizes [G]; got {x.shape} and {group_sizes.shape}")
+    require_auto_axes(x)
+    sizes = group_sizes.astype(jnp.int32)
+    data, scale = _quantize(x, sizes, recipe, jnp.dtype(dtype), backend)
+    return Fp8Array(data, scale, None, None, sizes, recipe)
