@@ -236,7 +236,13 @@ class JaxFp8Test:
         def f(x, w, gs, dy):
             out, vjp = jax.vjp(
                 lambda a, b: jfp8.ragged_dot_fp8(
-                    a, b, gs, recipe=recipe, preferred_element_type=jnp.float32, backend=self.BACKEND
+                    a,
+                    b,
+                    gs,
+                    recipe=recipe,
+                    preferred_element_type=jnp.float32,
+                    fprop_fast_accum=False,  # every product promoted: the tight check below
+                    backend=self.BACKEND,
                 ),
                 x,
                 w,
@@ -263,6 +269,34 @@ class JaxFp8Test:
         # Against the unquantized fp64 math: FP8's error, bounded (a regression to garbage fails).
         exact_out = grouped(x, np.swapaxes(np.asarray(w, np.float64), 1, 2), sizes, M)
         assert relerr(out, exact_out) < 0.1
+
+    @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+    def test_fast_accumulation(self, recipe):
+        """fast_accum lets the tensor cores accumulate all of K (torch's use_fast_accum): within the
+        tensor cores' reduced-precision accumulation of the promoted result (exact on CPU)."""
+        M, K, N, sizes = 48, 256, 40, [20, 0, 28]
+        x, w, dy = _inputs(6, M, K, N, len(sizes), jnp.bfloat16)
+        gs = jnp.asarray(sizes, jnp.int32)
+        x_q = self.q(x, recipe, group_sizes=gs, transpose=True)
+        w_q = self.q(jnp.swapaxes(w, 1, 2), recipe)
+        out = jfp8.m_grouped_mm_fp8(
+            x_q, w_q, gs, out_dtype=jnp.float32, fast_accum=True, backend=self.BACKEND
+        )
+        tol = 1e-2 if self.BACKEND == "triton" else EXACT
+        assert relerr(out, grouped(x_q.dequantize(), w_q.dequantize(), sizes, M)) <= tol
+        dy_q = self.q(dy, recipe, group_sizes=gs, transpose=True)
+        dw = jfp8.k_grouped_mm_fp8(dy_q, x_q, fast_accum=True, backend=self.BACKEND)
+        assert relerr(dw, wgrad(dy_q.dequantize_t(), x_q.dequantize_t(), sizes, M)) <= tol
+        # the default training op: fast forward, promoted backward
+        y = jfp8.ragged_dot_fp8(
+            x, w, gs, recipe=recipe, preferred_element_type=jnp.float32, backend=self.BACKEND
+        )
+        xq = jfp8.Fp8Array(*twin(reference_fp8.quantize_activation, x, gs, recipe, E4M3, False), gs, recipe)
+        wq = jfp8.Fp8Array(*twin(reference_fp8.quantize_weight, w, recipe, E4M3, True), None, recipe)
+        assert (
+            relerr(y, grouped(xq.dequantize(), np.swapaxes(np.asarray(wq.dequantize_t()), 1, 2), sizes, M))
+            <= tol
+        )
 
     def test_argument_errors_name_the_problem(self):
         x = jnp.ones((8, 16), jnp.bfloat16)

@@ -78,6 +78,17 @@ def weight_scale_shapes(recipe: str, G: int, N: int, K: int) -> tuple[tuple[int,
     return (G, nb, kb), (G, kb, nb)
 
 
+def config_op(op: str, recipe: str, fast_accum: bool) -> str:
+    """The config table of an FP8 GEMM launch: fast accumulation (tensorwise/rowwise) has its own tiles."""
+    return f"{op}_fast" if fast_accum and recipe != "blockwise" else op
+
+
+def config_dtype(recipe: str, dtype_name: str, fast_accum: bool) -> str:
+    """The dtype part of a tuned-cache key. With fast accumulation, tensorwise and rowwise run the
+    same main loop (their scales differ only in the epilogue), so they share tuned configs."""
+    return dtype_name if fast_accum and recipe != "blockwise" else f"{recipe}-{dtype_name}"
+
+
 def transposed_columns(M: int, G: int) -> int:
     """Columns of an activation's data_t storage: room for every group starting 16-aligned."""
     return padded(M + (ROW_ALIGN - 1) * G)

@@ -255,14 +255,15 @@ def quantize_cols_call(
 # ---------------------------------------------------------------- GEMMs
 
 
-def _fp8_config(op: str, recipe: str, dtype, M: int, N: int, K: int, G: int, target: Target):
-    # The tuned cache keys and tables the PyTorch launches use (moegemm.torch._launch_fp8), without fast
-    # accumulation: the JAX ops promote every 128 of K.
+def _fp8_config(
+    op: str, recipe: str, dtype, M: int, N: int, K: int, G: int, target: Target, fast_accum: bool
+):
+    # The tuned cache keys and tables the PyTorch launches use (moegemm.fp8.config_op / config_dtype).
     return configs.pick_config(
-        op,
+        fp8.config_op(op, recipe, fast_accum),
         target.name,
         device_name=target.device_name,
-        dtype=f"{recipe}-{jnp.dtype(dtype).name}",
+        dtype=fp8.config_dtype(recipe, jnp.dtype(dtype).name, fast_accum),
         G=G,
         N=N,
         K=K,
@@ -286,6 +287,7 @@ def m_grouped_mm_fp8_call(
     target: Target,
     w_row_stride: int | None = None,
     group_offset: jax.Array | None = None,
+    fast_accum: bool = False,
 ) -> KernelCall:
     """out [M, N] = for g: (x * sx)[rows(g)] @ ((w * sw)[g, :N])^T, x [M, K] and w [G, N, >= K] fp8.
 
@@ -298,7 +300,7 @@ def m_grouped_mm_fp8_call(
     G, N = w.shape[0], w.shape[1]
     kw = w.shape[2] if w_row_stride is None else w_row_stride
     g_total = None if group_offset is None else group_sizes.shape[0]
-    config = _fp8_config("m_grouped_fp8", recipe, x.dtype, M, N, K, G, target)
+    config = _fp8_config("m_grouped_fp8", recipe, x.dtype, M, N, K, G, target, fast_accum)
     launch = MGroupedFp8Launch.make(
         M,
         N,
@@ -310,7 +312,7 @@ def m_grouped_mm_fp8_call(
         interpret=target.name == "interpret",
         max_stride=max(K, N, kw, 1),
         has_bias=False,
-        fast_accum=False,
+        fast_accum=fast_accum,
         g_total=g_total,
     )
     if recipe == "tensorwise":
@@ -358,6 +360,7 @@ def k_grouped_mm_fp8_call(
     target: Target,
     group_offset: jax.Array | None = None,
     num_groups: int | None = None,
+    fast_accum: bool = False,
 ) -> KernelCall:
     """out [G, Ka, Nb] = for g: (c[g] +) (a * sa)[rows(g)]^T @ (b * sb)[rows(g)] from the transposed
     copies a_t [Ka, M_t], b_t [Nb, M_t] of activations with M rows; c, when given, is aliased to out.
@@ -366,7 +369,7 @@ def k_grouped_mm_fp8_call(
     N = b_t.shape[0]
     G_total = group_sizes.shape[0]
     G = G_total if group_offset is None else num_groups
-    config = _fp8_config("k_grouped_fp8", recipe, a_t.dtype, M, N, K, G, target)
+    config = _fp8_config("k_grouped_fp8", recipe, a_t.dtype, M, N, K, G, target, fast_accum)
     launch = KGroupedFp8Launch.make(
         M,
         N,
@@ -378,7 +381,7 @@ def k_grouped_mm_fp8_call(
         interpret=target.name == "interpret",
         max_stride=max(M_t, K * N, 1),
         accumulate=c is not None,
-        fast_accum=False,
+        fast_accum=fast_accum,
         g_total=None if group_offset is None else G_total,
     )
     # Scales of the wgrad operands: [G] (tensorwise), [G, K] (rowwise), [blocks, K] (blockwise).

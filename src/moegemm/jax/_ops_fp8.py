@@ -156,9 +156,11 @@ def m_grouped(
     recipe: str,
     out_dtype,
     executor: Executor | None,
+    fast_accum: bool = False,
 ) -> jax.Array:
     """out [M, N] = for g: (x * sx)[rows(g)] @ ((w * sw)[g, :, :K])^T; w [G, N, Kw >= K] (a transposed
-    copy's storage has padded rows). Rows of groups outside the launch's are 0."""
+    copy's storage has padded rows). Rows of groups outside the launch's are 0. fast_accum: the
+    tensor cores accumulate all of K (tensorwise/rowwise; the twin is exact either way)."""
     M, Kx = x.shape
     G, N, Kw = w.shape
     if executor is None or M == 0 or N == 0 or Kx == 0 or G == 0:
@@ -178,6 +180,7 @@ def m_grouped(
         target=executor.target(),
         w_row_stride=Kw,
         group_offset=group_offset,
+        fast_accum=fast_accum,
     )
     return executor.run(call)
 
@@ -195,6 +198,7 @@ def k_grouped(
     recipe: str,
     out_dtype,
     executor: Executor | None,
+    fast_accum: bool = False,
 ) -> jax.Array:
     """out [G, Ka, Nb] = for g: (c[g] +) (a * sa)[rows(g)]^T @ (b * sb)[rows(g)], from transposed copies."""
     K, N = a_t.shape[0], b_t.shape[0]
@@ -225,6 +229,7 @@ def k_grouped(
         target=executor.target(),
         group_offset=group_offset,
         num_groups=num_groups,
+        fast_accum=fast_accum,
     )
     return executor.run(call)
 
@@ -242,6 +247,7 @@ class Fp8Options(NamedTuple):
     lhs_dtype: object  # the gradients' dtypes
     rhs_dtype: object
     executor: Executor | None
+    fprop_fast_accum: bool = False  # the forward accumulates on the tensor cores (TE's fprop default)
     lhs_amax_reduce: AmaxReduce = None  # sharding: per-shard amax -> the amax every shard uses
     rhs_amax_reduce: AmaxReduce = None
     dy_amax_reduce: AmaxReduce = None
@@ -266,6 +272,7 @@ def _ragged_dot_fp8_fwd(lhs, rhs, group_sizes, group_offset, options: Fp8Options
         o.recipe,
         o.out_dtype,
         o.executor,
+        o.fprop_fast_accum,
     )
     # The backward reads only the transposed copy of x (wgrad) and the plain copy of rhs (dgrad).
     residuals = (x_q.data_t, x_q.scale_t, w_q.data, w_q.scale, group_sizes, group_offset)

@@ -152,6 +152,7 @@ def m_grouped_mm_fp8(
     *,
     group_offset: jax.Array | None = None,
     out_dtype=jnp.bfloat16,
+    fast_accum: bool = False,
     backend: Backend = "auto",
 ) -> jax.Array:
     """Scaled m-grouped GEMM (fprop, and dgrad with ``w_q.t()``): ``out[rows(g)] = x[rows(g)] @ w[g]^T``.
@@ -160,6 +161,7 @@ def m_grouped_mm_fp8(
     (fp32 accumulation, promoted every 128 of K); rows past sum(group_sizes) are 0. A tensorwise
     x_q quantized in groups has one scale per entry of group_sizes. ``group_offset``: w_q holds
     groups [offset, offset + G) of group_sizes' G_total (expert parallelism; other rows are 0).
+    ``fast_accum`` (tensorwise/rowwise): the tensor cores accumulate all of K, as torch's use_fast_accum.
     """
     _check_pair("m_grouped_mm_fp8", x_q, w_q)
     # w_q's rows may be padded storage (a transposed copy, from Fp8Array.t()): [G, N, padded(K)].
@@ -177,7 +179,16 @@ def m_grouped_mm_fp8(
         )
     out_dtype = _float_dtype("out_dtype", out_dtype)
     return _ops_fp8.m_grouped(
-        x_q.data, x_q.scale, w_q.data, w_q.scale, sizes, offset, x_q.recipe, out_dtype, _executor(backend)
+        x_q.data,
+        x_q.scale,
+        w_q.data,
+        w_q.scale,
+        sizes,
+        offset,
+        x_q.recipe,
+        out_dtype,
+        _executor(backend),
+        fast_accum,
     )
 
 
@@ -190,6 +201,7 @@ def k_grouped_mm_fp8(
     out_dtype=jnp.float32,
     group_offset: jax.Array | None = None,
     num_groups: int | None = None,
+    fast_accum: bool = False,
     backend: Backend = "auto",
 ) -> jax.Array:
     """Scaled k-grouped GEMM (wgrad): ``out[g] = (accumulate[g] +) a[rows(g)]^T @ b[rows(g)]``, [G, Ka, Nb].
@@ -248,6 +260,7 @@ def k_grouped_mm_fp8(
         a_q.recipe,
         out_dtype,
         _executor(backend),
+        fast_accum,
     )
 
 
@@ -261,6 +274,7 @@ def ragged_dot_fp8(
     preferred_element_type=None,
     dtype=jnp.float8_e4m3fn,
     grad_dtype=None,
+    fprop_fast_accum: bool = True,
     backend: Backend = "auto",
 ) -> jax.Array:
     """``jax.lax.ragged_dot`` in FP8, differentiable: ``for g: out[rows(g)] = lhs[rows(g)] @ rhs[g]``.
@@ -270,6 +284,8 @@ def ragged_dot_fp8(
     ``jax.grad`` runs dgrad and wgrad in FP8 too, dy quantized in the backward (``grad_dtype``,
     default ``dtype``; jnp.float8_e5m2 is TransformerEngine's "hybrid"). Gradients are straight
     through the quantization. Returns [M, N] in ``preferred_element_type`` (default lhs's dtype).
+    ``fprop_fast_accum`` (tensorwise/rowwise): the forward accumulates on the tensor cores without
+    the fp32 promotion (TransformerEngine's fprop default, and GroupedLinear's); dgrad and wgrad promote.
     ``group_offset``: expert parallelism as in :func:`moegemm.jax.ragged_dot`. For a Flax layer:
     ``make_ragged_dot_cls(functools.partial(ragged_dot_fp8, recipe=...))``.
     """
@@ -287,6 +303,6 @@ def ragged_dot_fp8(
     sizes = _group_sizes(group_sizes, None if group_offset is not None else G)
     offset = _group_offset(group_offset, G, sizes.shape[0])
     options = _ops_fp8.Fp8Options(
-        recipe, dtype, grad_dtype, out_dtype, lhs_dtype, rhs_dtype, _executor(backend)
+        recipe, dtype, grad_dtype, out_dtype, lhs_dtype, rhs_dtype, _executor(backend), fprop_fast_accum
     )
     return _ops_fp8.ragged_dot_fp8(lhs, rhs, sizes, offset, options)

@@ -34,16 +34,11 @@ def clear_launch_cache() -> None:
         launch.clear()
 
 
-def fp8_op(op: str, recipe: str, fast_accum: bool) -> str:
-    """The config table of a launch: fast accumulation (tensorwise/rowwise) has its own tiles."""
-    return f"{op}_fast" if fast_accum and recipe != "blockwise" else op
+fp8_op = fp8.config_op  # the config table and cache key rules both front ends share
 
 
 def fp8_key_dtype(recipe: str, dtype, fast_accum: bool) -> str:
-    """The dtype part of a tuned-cache key. With fast accumulation, tensorwise and rowwise run the
-    same main loop (their scales differ only in the epilogue), so they share tuned configs."""
-    name = _dtype_name(dtype)
-    return name if fast_accum and recipe != "blockwise" else f"{recipe}-{name}"
+    return fp8.config_dtype(recipe, _dtype_name(dtype), fast_accum)
 
 
 @functools.lru_cache(maxsize=4096)
