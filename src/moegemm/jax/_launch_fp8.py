@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import triton
 
 from moegemm import configs, fp8
-from moegemm.jax._launch import KernelCall, Target
+from moegemm.jax._launch import KernelCall, Target, _offset_arg
 from moegemm.kernels import quantize_fp8 as qk
 from moegemm.kernels.k_grouped_fp8 import KGroupedFp8Launch, k_grouped_mm_fp8_kernel
 from moegemm.kernels.m_grouped_fp8 import MGroupedFp8Launch, m_grouped_mm_fp8_kernel
@@ -269,10 +269,6 @@ def _fp8_config(
         K=K,
         M=M,
     )
-
-
-def _offset_arg(group_offset: jax.Array | None, group_sizes: jax.Array) -> jax.Array:
-    return group_sizes if group_offset is None else jnp.asarray(group_offset, jnp.int32).reshape(1)
 
 
 def m_grouped_mm_fp8_call(

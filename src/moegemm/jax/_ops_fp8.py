@@ -258,22 +258,39 @@ def ragged_dot_fp8(lhs, rhs, group_sizes, group_offset, options: Fp8Options):
     return _ragged_dot_fp8_fwd(lhs, rhs, group_sizes, group_offset, options)[0]
 
 
+def fprop(
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    recipe: str,
+    dtype,
+    out_dtype,
+    executor: Executor | None,
+    *,
+    lhs_transpose: bool,
+    lhs_amax_reduce: AmaxReduce = None,
+    rhs_amax_reduce: AmaxReduce = None,
+    fast_accum: bool = False,
+) -> tuple[jax.Array, QuantizedParts, QuantizedParts]:
+    """(out [M, N], x_q, w_q) of ragged_dot(lhs [M, K], rhs [G, K, N]) in FP8: rhs is quantized as a
+    [G, K, N] weight with its transposed copy [G, N, padded(K)], the K-major fprop operand (whose plain
+    copy is the dgrad operand); lhs with its transposed copy when the wgrad will need it."""
+    x_q = quantize_activation(lhs, group_sizes, recipe, dtype, lhs_transpose, executor, lhs_amax_reduce)
+    w_q = quantize_weight(rhs, recipe, dtype, True, executor, rhs_amax_reduce)
+    out = m_grouped(
+        x_q.data, x_q.scale, w_q.data_t, w_q.scale_t, group_sizes, group_offset, recipe, out_dtype, executor,
+        fast_accum,
+    )  # fmt: skip
+    return out, x_q, w_q
+
+
 def _ragged_dot_fp8_fwd(lhs, rhs, group_sizes, group_offset, options: Fp8Options):
     o = options
-    x_q = quantize_activation(lhs, group_sizes, o.recipe, o.dtype, True, o.executor, o.lhs_amax_reduce)
-    w_q = quantize_weight(rhs, o.recipe, o.dtype, True, o.executor, o.rhs_amax_reduce)  # rhs as [G, K, N]
-    out = m_grouped(
-        x_q.data,
-        x_q.scale,
-        w_q.data_t,
-        w_q.scale_t,
-        group_sizes,
-        group_offset,
-        o.recipe,
-        o.out_dtype,
-        o.executor,
-        o.fprop_fast_accum,
-    )
+    out, x_q, w_q = fprop(
+        lhs, rhs, group_sizes, group_offset, o.recipe, o.dtype, o.out_dtype, o.executor, lhs_transpose=True,
+        lhs_amax_reduce=o.lhs_amax_reduce, rhs_amax_reduce=o.rhs_amax_reduce, fast_accum=o.fprop_fast_accum,
+    )  # fmt: skip
     # The backward reads only the transposed copy of x (wgrad) and the plain copy of rhs (dgrad).
     residuals = (x_q.data_t, x_q.scale_t, w_q.data, w_q.scale, group_sizes, group_offset)
     return out, residuals

@@ -90,22 +90,11 @@ class Fp8LocalOps:
         executor = _executor(self.backend)
         reduce_x = _pmax(lhs_rows + lhs_k) if self.recipe == "tensorwise" else None
         reduce_w = _pmax(rhs_k + rhs_n) if self.recipe == "tensorwise" else None
-        x_q = _ops_fp8.quantize_activation(
-            lhs, group_sizes, self.recipe, self.dtype, False, executor, reduce_x
-        )
-        # rhs [G, K, N] quantized as a [G, K, N] weight; its transposed copy [G, N, padded(K)] is K-major.
-        w_q = _ops_fp8.quantize_weight(rhs, self.recipe, self.dtype, True, executor, reduce_w)
-        return _ops_fp8.m_grouped(
-            x_q.data,
-            x_q.scale,
-            w_q.data_t,
-            w_q.scale_t,
-            group_sizes,
-            group_offset,
-            self.recipe,
-            preferred_element_type,
-            executor,
-        )
+        out, _, _ = _ops_fp8.fprop(
+            lhs, rhs, group_sizes, group_offset, self.recipe, self.dtype, preferred_element_type, executor,
+            lhs_transpose=False, lhs_amax_reduce=reduce_x, rhs_amax_reduce=reduce_w,
+        )  # fmt: skip
+        return out
 
     def k_grouped_mm(self, a, b, group_sizes, group_offset, num_groups, out_dtype, *, scale_axes=None):
         (a_rows, a_k), (b_rows, b_n) = scale_axes or (((), ()), ((), ()))
