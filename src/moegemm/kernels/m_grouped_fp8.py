@@ -31,8 +31,7 @@ from moegemm.kernels.schedule import (
     clamped_group_offset,
     locate_row_tile,
     m_grouped_tile_space,
-    store_leftover_zero_tiles,
-    store_zero_share,
+    store_zero_tiles,
 )
 
 TENSOR, ROW, BLOCK = 0, 1, 2
@@ -169,15 +168,17 @@ def m_grouped_mm_fp8_kernel(
             out_base + out_offs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :]
         )
         if HAS_GROUP_OFFSET:
-            store_zero_share(
-                out_ptr, tile, zero_per_tile, zero_tiles, first_row, local_end, head_tiles, M, N, n_tiles,
-                stride_om, stride_on, offs_m, offs_n, BLOCK_M, BLOCK_N,
+            zero_begin = tile * zero_per_tile
+            store_zero_tiles(
+                out_ptr, zero_begin, tl.minimum(zero_begin + zero_per_tile, zero_tiles), first_row, local_end,
+                head_tiles, M, N, n_tiles, stride_om, stride_on, offs_m, offs_n, BLOCK_M, BLOCK_N,
             )  # fmt: skip
-    if HAS_GROUP_OFFSET:
-        store_leftover_zero_tiles(
-            out_ptr, pid, total_tiles, zero_per_tile, zero_tiles, first_row, local_end, head_tiles, M, N,
-            n_tiles, stride_om, stride_on, offs_m, offs_n, NUM_PROGRAMS, BLOCK_M, BLOCK_N,
-        )  # fmt: skip
+    if HAS_GROUP_OFFSET:  # zero tiles no GEMM tile took (all of them when no local group has rows)
+        for z in range(total_tiles * zero_per_tile + pid, zero_tiles, NUM_PROGRAMS):
+            store_zero_tiles(
+                out_ptr, z, z + 1, first_row, local_end, head_tiles, M, N, n_tiles, stride_om, stride_on,
+                offs_m, offs_n, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -198,31 +198,3 @@ def store_zero_tiles(
         mask = (offs_m < row_end - row0)[:, None] & (offs_n < N - col0)[None, :]
         base = out_ptr + row0 * stride_om + col0.to(tl.int64) * stride_on
         tl.store(base + (offs_m[:, None] * stride_om + offs_n[None, :] * stride_on), zero, mask=mask)
-
-
-@triton.jit
-def store_zero_share(
-    out_ptr, tile, zero_per_tile, zero_tiles, first_row, local_end, head_tiles, M, N, n_tiles, stride_om,
-    stride_on, offs_m, offs_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """GEMM tile ``tile``'s share of the zero tiles (``m_grouped_tile_space``): [tile * zero_per_tile,
-    (tile + 1) * zero_per_tile), cut at zero_tiles."""
-    zero_begin = tile * zero_per_tile
-    store_zero_tiles(
-        out_ptr, zero_begin, tl.minimum(zero_begin + zero_per_tile, zero_tiles), first_row, local_end,
-        head_tiles, M, N, n_tiles, stride_om, stride_on, offs_m, offs_n, BLOCK_M, BLOCK_N,
-    )  # fmt: skip
-
-
-@triton.jit
-def store_leftover_zero_tiles(
-    out_ptr, pid, total_tiles, zero_per_tile, zero_tiles, first_row, local_end, head_tiles, M, N, n_tiles,
-    stride_om, stride_on, offs_m, offs_n, NUM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """The zero tiles no GEMM tile took (all of them when no local group has rows), strided over programs."""
-    for z in range(total_tiles * zero_per_tile + pid, zero_tiles, NUM_PROGRAMS):
-        store_zero_tiles(
-            out_ptr, z, z + 1, first_row, local_end, head_tiles, M, N, n_tiles, stride_om, stride_on,
-            offs_m, offs_n, BLOCK_M, BLOCK_N,
-        )  # fmt: skip
