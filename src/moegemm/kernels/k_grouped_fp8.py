@@ -65,7 +65,7 @@ def k_grouped_mm_fp8_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr,
-    BLOCK_G: tl.constexpr,  # > G_TOTAL
+    BLOCK_G: tl.constexpr,  # >= G_TOTAL
     HAS_GROUP_OFFSET: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,
     ACCUMULATE: tl.constexpr,
