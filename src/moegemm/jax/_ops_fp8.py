@@ -248,9 +248,6 @@ class Fp8Options(NamedTuple):
     rhs_dtype: object
     executor: Executor | None
     fprop_fast_accum: bool = False  # the forward accumulates on the tensor cores (TE's fprop default)
-    lhs_amax_reduce: AmaxReduce = None  # sharding: per-shard amax -> the amax every shard uses
-    rhs_amax_reduce: AmaxReduce = None
-    dy_amax_reduce: AmaxReduce = None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -289,7 +286,7 @@ def _ragged_dot_fp8_fwd(lhs, rhs, group_sizes, group_offset, options: Fp8Options
     o = options
     out, x_q, w_q = fprop(
         lhs, rhs, group_sizes, group_offset, o.recipe, o.dtype, o.out_dtype, o.executor, lhs_transpose=True,
-        lhs_amax_reduce=o.lhs_amax_reduce, rhs_amax_reduce=o.rhs_amax_reduce, fast_accum=o.fprop_fast_accum,
+        fast_accum=o.fprop_fast_accum,
     )  # fmt: skip
     # The backward reads only the transposed copy of x (wgrad) and the plain copy of rhs (dgrad).
     residuals = (x_q.data_t, x_q.scale_t, w_q.data, w_q.scale, group_sizes, group_offset)
@@ -300,7 +297,7 @@ def _ragged_dot_fp8_bwd(options: Fp8Options, residuals, dy):
     o = options
     x_t, sx_t, w, sw, group_sizes, group_offset = residuals
     M = dy.shape[0]
-    dy_q = quantize_activation(dy, group_sizes, o.recipe, o.grad_dtype, True, o.executor, o.dy_amax_reduce)
+    dy_q = quantize_activation(dy, group_sizes, o.recipe, o.grad_dtype, True, o.executor)
     dlhs = m_grouped(
         dy_q.data, dy_q.scale, w, sw, group_sizes, group_offset, o.recipe, o.lhs_dtype, o.executor
     )
