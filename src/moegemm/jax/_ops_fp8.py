@@ -51,6 +51,57 @@ def _as_fp8(bytes_: jax.Array, dtype) -> jax.Array:
     return jax.lax.bitcast_convert_type(bytes_, jnp.dtype(dtype))
 
 
+def _quantize_rows(
+    x: jax.Array,
+    group_sizes: jax.Array | None,
+    G: int,
+    rows_per_group: int,
+    recipe: str,
+    dtype,
+    transpose: bool,
+    executor: Executor,
+    amax_reduce: AmaxReduce,
+    *,
+    weight: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
+    """The launches that quantize the rows of x [R, C] in G groups: by group_sizes (activations), or of
+    rows_per_group rows each (a weight [G, N, K] seen as [G * N, K], ``weight``), as
+    ``moegemm.torch._launch_fp8.launch_quantize_fp8`` does for PyTorch. Returns (data [R, C], scale,
+    data_t or None, the transposed launch's scale output or None); layouts in ``_launch_fp8``."""
+    run, target = executor.run, executor.target()
+    R = x.shape[0]
+    t_layout = (
+        dict(t_local_n=fp8.padded(rows_per_group)) if weight else dict(t_columns=fp8.transposed_columns(R, G))
+    )
+    if recipe == "rowwise":
+        data, scale = run(
+            lf.quantize_rows_call(x, group_sizes, 1 if weight else G, dtype=dtype, target=target)
+        )
+        if not transpose:
+            return data, scale, None, None
+        qt, scale_t = run(
+            lf.quantize_cols_call(x, group_sizes, G, rows_per_group, dtype=dtype, target=target, **t_layout)
+        )
+        return data, scale, _as_fp8(qt, dtype), scale_t
+    amax = None
+    scaling = qk.BLOCK_128X128 if weight else qk.BLOCK_1X128
+    if recipe == "tensorwise":
+        scaling = qk.TENSOR
+        amax = run(lf.group_amax_call(x, group_sizes, G, rows_per_group, target))
+        if amax_reduce is not None:
+            amax = amax_reduce(amax)
+    common = dict(scaling=scaling, dtype=dtype, target=target, amax=amax)
+    data, scale, _, _ = run(lf.quantize_tiles_call(x, group_sizes, G, rows_per_group, write_q=True, **common))
+    if not transpose:
+        return data, scale, None, None
+    qt, scale_t = run(
+        lf.quantize_tiles_call(
+            x, group_sizes, G, rows_per_group, write_q=False, q=data, s=scale, **t_layout, **common
+        )
+    )
+    return data, scale, _as_fp8(qt, dtype), scale_t
+
+
 def quantize_activation(
     x: jax.Array,
     group_sizes: jax.Array | None,
@@ -71,31 +122,12 @@ def quantize_activation(
             x, group_sizes, recipe, dtype, transpose, amax_reduce=amax_reduce
         )
         return QuantizedParts(data, scale, data_t, scale_t)
-    run, target = executor.run, executor.target()
-    M_t = fp8.transposed_columns(M, G)
-    if recipe == "rowwise":
-        data, scale = run(lf.quantize_rows_call(x, group_sizes, G, dtype=dtype, target=target))
-        if not transpose:
-            return QuantizedParts(data, scale, None, None)
-        qt, scale_t = run(
-            lf.quantize_cols_call(x, group_sizes, G, M, dtype=dtype, target=target, t_columns=M_t)
-        )
-        return QuantizedParts(data, scale, _as_fp8(qt, dtype), scale_t)
-    amax = None
-    scaling = qk.BLOCK_1X128
-    if recipe == "tensorwise":
-        scaling = qk.TENSOR
-        amax = run(lf.group_amax_call(x, group_sizes, G, M, target))
-        if amax_reduce is not None:
-            amax = amax_reduce(amax)
-    common = dict(scaling=scaling, dtype=dtype, target=target, amax=amax)
-    data, scale, _, _ = run(lf.quantize_tiles_call(x, group_sizes, G, M, write_q=True, **common))
-    if not transpose:
-        return QuantizedParts(data, scale, None, None)
-    qt, scale_t = run(
-        lf.quantize_tiles_call(x, group_sizes, G, M, write_q=False, q=data, s=scale, t_columns=M_t, **common)
+    data, scale, data_t, scale_t = _quantize_rows(
+        x, group_sizes, G, M, recipe, dtype, transpose, executor, amax_reduce, weight=False
     )
-    return QuantizedParts(data, scale, _as_fp8(qt, dtype), scale if recipe == "tensorwise" else scale_t)
+    if data_t is not None and recipe == "tensorwise":
+        scale_t = scale  # one scale per group serves both copies
+    return QuantizedParts(data, scale, data_t, scale_t)
 
 
 def quantize_weight(
@@ -115,35 +147,15 @@ def quantize_weight(
         if data_t is not None:  # the storage of a weight's transposed copy has 16-byte rows
             data_t = jnp.pad(data_t, ((0, 0), (0, 0), (0, fp8.padded(N) - N)))
         return QuantizedParts(data, scale, data_t, scale_t)
-    run, target = executor.run, executor.target()
-    rows = w.reshape(G * N, K)
-    Np = fp8.padded(N)
-    if recipe == "rowwise":
-        data, scale = run(lf.quantize_rows_call(rows, None, 1, dtype=dtype, target=target))
-        data, scale = data.reshape(G, N, K), scale.reshape(G, N)
-        if not transpose:
-            return QuantizedParts(data, scale, None, None)
-        qt, scale_t = run(lf.quantize_cols_call(rows, None, G, N, dtype=dtype, target=target, t_local_n=Np))
-        return QuantizedParts(data, scale, _as_fp8(qt, dtype), scale_t)
-    amax = None
-    scaling = qk.BLOCK_128X128
-    if recipe == "tensorwise":
-        scaling = qk.TENSOR
-        amax = run(lf.group_amax_call(rows, None, G, N, target))
-        if amax_reduce is not None:
-            amax = amax_reduce(amax)
-    common = dict(scaling=scaling, dtype=dtype, target=target, amax=amax)
-    data, scale, _, _ = run(lf.quantize_tiles_call(rows, None, G, N, write_q=True, **common))
-    data = data.reshape(G, N, K)
-    if not transpose:
-        return QuantizedParts(data, scale, None, None)
-    qt, _ = run(
-        lf.quantize_tiles_call(
-            rows, None, G, N, write_q=False, q=data.reshape(G * N, K), s=scale, t_local_n=Np, **common
-        )
+    data, scale, data_t, scale_t = _quantize_rows(
+        w.reshape(G * N, K), None, G, N, recipe, dtype, transpose, executor, amax_reduce, weight=True
     )
-    scale_t = scale if recipe == "tensorwise" else jnp.swapaxes(scale, 1, 2)
-    return QuantizedParts(data, scale, _as_fp8(qt, dtype), scale_t)
+    data = data.reshape(G, N, K)
+    if recipe == "rowwise":
+        scale = scale.reshape(G, N)
+    elif data_t is not None:  # tensorwise: the same scales; blockwise: the 128x128 blocks transposed
+        scale_t = scale if recipe == "tensorwise" else jnp.swapaxes(scale, 1, 2)
+    return QuantizedParts(data, scale, data_t, scale_t)
 
 
 def m_grouped(

@@ -80,6 +80,31 @@ def _group_offset(group_offset, G_local: int, G_total: int) -> jax.Array | None:
     return group_offset.reshape(()).astype(jnp.int32)
 
 
+def _local_groups(group_offset, num_groups: int | None, G_total: int) -> tuple[int, jax.Array | None]:
+    """(the number of groups a k-grouped op writes, group_offset as int32 or None): all G_total groups
+    without an offset; with one, ``num_groups`` (static) local groups."""
+    if group_offset is None:
+        if num_groups is not None and num_groups != G_total:
+            raise ValueError(
+                f"num_groups={num_groups} differs from group_sizes' {G_total} entries; "
+                "a subset of the groups needs group_offset"
+            )
+        return G_total, None
+    if num_groups is None:
+        raise ValueError("group_offset needs num_groups, the number of local groups (static)")
+    return num_groups, _group_offset(group_offset, num_groups, G_total)
+
+
+def _accumulate_buffer(accumulate, shape: tuple[int, ...], dims: str) -> jax.Array:
+    """The fp32 buffer a k-grouped op accumulates into, checked against the output ``shape``."""
+    accumulate = jnp.asarray(accumulate)
+    if accumulate.shape != shape or accumulate.dtype != jnp.float32:
+        raise ValueError(
+            f"accumulate must be a float32 {dims} = {shape} buffer, got {accumulate.dtype} {accumulate.shape}"
+        )
+    return accumulate
+
+
 def ragged_dot(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -203,25 +228,11 @@ def k_grouped_mm(
             f"k_grouped_mm expects a [M, K] and b [M, N] with the same M; got a {a.shape}, b {b.shape}"
         )
     group_sizes = _group_sizes(group_sizes, None)
-    if group_offset is None:
-        if num_groups is not None and num_groups != group_sizes.shape[0]:
-            raise ValueError(
-                f"num_groups={num_groups} differs from group_sizes' {group_sizes.shape[0]} entries; "
-                "a subset of the groups needs group_offset"
-            )
-        num_groups = group_sizes.shape[0]
-    elif num_groups is None:
-        raise ValueError("group_offset needs num_groups, the number of local groups (static)")
-    group_offset = _group_offset(group_offset, num_groups, group_sizes.shape[0])
+    num_groups, group_offset = _local_groups(group_offset, num_groups, group_sizes.shape[0])
     G, K, N = num_groups, a.shape[1], b.shape[1]
     out_dtype = _float_dtype("out_dtype", out_dtype)
     if accumulate is not None:
-        accumulate = jnp.asarray(accumulate)
-        if accumulate.shape != (G, K, N) or accumulate.dtype != jnp.float32:
-            raise ValueError(
-                f"accumulate must be a float32 [G, K, N] = {(G, K, N)} buffer, got {accumulate.dtype} "
-                f"{accumulate.shape}"
-            )
+        accumulate = _accumulate_buffer(accumulate, (G, K, N), "[G, K, N]")
         out_dtype = accumulate.dtype
     executor = _executor(backend)
     if executor is None:

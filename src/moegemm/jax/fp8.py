@@ -30,7 +30,15 @@ import jax.numpy as jnp
 
 from moegemm import fp8
 from moegemm.jax import _ops_fp8, reference_fp8
-from moegemm.jax.api import Backend, _executor, _float_dtype, _group_offset, _group_sizes
+from moegemm.jax.api import (
+    Backend,
+    _accumulate_buffer,
+    _executor,
+    _float_dtype,
+    _group_offset,
+    _group_sizes,
+    _local_groups,
+)
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
@@ -227,26 +235,12 @@ def k_grouped_mm_fp8(
             "out group by group)"
         )
     sizes = _group_sizes(a_q.group_sizes if group_sizes is None else group_sizes, a_q.group_sizes.shape[0])
-    G_total = sizes.shape[0]
-    if group_offset is None:
-        if num_groups not in (None, G_total):
-            raise ValueError(
-                f"num_groups={num_groups} differs from group_sizes' {G_total}; a subset needs group_offset"
-            )
-        num_groups = G_total
-    elif num_groups is None:
-        raise ValueError("group_offset needs num_groups, the number of local groups (static)")
-    offset = _group_offset(group_offset, num_groups, G_total)
+    num_groups, offset = _local_groups(group_offset, num_groups, sizes.shape[0])
     M, K, N = a_q.shape[0], a_q.shape[1], b_q.shape[1]
     out_dtype = _float_dtype("out_dtype", out_dtype)
     if accumulate is not None:
-        accumulate = jnp.asarray(accumulate)
-        if accumulate.shape != (num_groups, K, N) or accumulate.dtype != jnp.float32:
-            raise ValueError(
-                f"accumulate must be a float32 [G, Ka, Nb] = {(num_groups, K, N)} buffer, got "
-                f"{accumulate.dtype} {accumulate.shape}"
-            )
-        out_dtype = jnp.dtype(jnp.float32)
+        accumulate = _accumulate_buffer(accumulate, (num_groups, K, N), "[G, Ka, Nb]")
+        out_dtype = accumulate.dtype
     return _ops_fp8.k_grouped(
         M,
         a_q.data_t,
