@@ -302,3 +302,25 @@ def test_ep_check_fails_on_rows_outside_or_wrong_values():
     wrong[3] = 2
     assert "relerr" in ep._check("dgrad", wrong, ideal, 2, 4)
     assert "relerr" in ep._check("wgrad", ideal * 1.1, ideal, 0, 4)
+
+
+def test_summary_reports_each_shape_set_apart():
+    """The suite and the held-out set (never tuned) get their own geomean and counts."""
+
+    def rec(case, vs_torch, pct_floor):
+        return dict(case=case, op="fwd", impl="moegemm", status="ok", vs_torch=vs_torch, pct_floor=pct_floor)
+
+    records = [
+        rec("dsv3-ep8-fc1", 1.21, 90.0),
+        rec("qwen3-30b-fc1", 1.0, 80.0),
+        rec("kimi-k2-ep8-fc1", 0.9, 70.0),
+        rec("olmoe-fc1", 0.81, 86.0),
+        dict(case="olmoe-fc1", op="fwd", impl="torch._grouped_mm", status="ok", vs_torch=None),
+    ]
+    s = report.summary(records)
+    assert set(s["by_set"]) == {"suite", "heldout"}
+    suite, held = s["by_set"]["suite"], s["by_set"]["heldout"]
+    assert suite["geomean_vs_torch"] == pytest.approx(1.1) and suite["ge_1x_torch"] == 2
+    assert held["geomean_vs_torch"] == pytest.approx(math.sqrt(0.9 * 0.81)) and held["ge_1x_torch"] == 0
+    assert held["worst_vs_torch"] == pytest.approx(0.81) and held["ge_85pct_floor"] == 1
+    assert s["compared"] == 4 and "heldout:" in report.summary_line(s)

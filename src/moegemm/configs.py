@@ -81,7 +81,6 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
         (K(128, 128, 64, 8, 4, 4), "more tiles when G x tiles is below the SM count"),
         (K(128, 128, 64, 8, 4, 3, 2), "2 CTAs/SM: store of one tile overlaps the loads of another"),
         (K(128, 128, 64, 8, 8, 3, 2), "as above with 8 warps"),
-        (K(128, 256, 64, 8, 8, 3, 1), "wide N, one CTA/SM"),
         (K(128, 128, 128, 8, 8, 3), "deeper reduction step, fewer loop iterations"),
         (K(64, 128, 64, 8, 4, 4, 2), "small experts, 2 CTAs/SM"),
         (K(128, 128, 32, 8, 4, 4, 2), "~128 tokens/expert: shorter reduction steps, deeper pipeline"),
@@ -171,15 +170,35 @@ def device_slug(device_name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
 
 
-def pick_config(op: str, target: str, *, device_name: str = "", dtype: str = "", G=0, N=0, K=0, M=0):
-    """The tuned config for this shape bucket if the committed cache has one, else the table default."""
+def pick_config(
+    op: str, target: str, *, device_name: str = "", dtype: str = "", G=0, N=0, K=0, M=0, sms: int = 0
+):
+    """The tuned config for this shape bucket if the device's committed cache has one; else, for the
+    BF16/FP16 m- and k-grouped kernels on a target with a calibrated cost model (moegemm/cost_model.py),
+    the candidate the model predicts fastest for (G, M, N, K) on ``sms`` SMs; else the table default."""
     config = TABLE[(op, target)][0][0]
+    hit = None
     if target != "interpret" and device_name:
         hit = load_cache(device_name).get(cache_key(op, dtype, G, N, K, M))
         if hit is not None:
             config = type(config)(**hit)
+    if hit is None and dtype in ("bfloat16", "float16", "float32") and G > 0 and M > 0:
+        config = _model_pick(op, target, G=G, M=M, N=N, K=K, sms=sms) or config
     if dtype == "float32" and target != "interpret":
         # 4-byte operands double the shared memory per stage; halve the reduction step to fit.
         field = "block_k" if op == "m_grouped" else "block_r"
         config = dataclasses.replace(config, **{field: max(16, getattr(config, field) // 2)})
     return config
+
+
+@functools.lru_cache(maxsize=1024)
+def _model_pick(op: str, target: str, *, G: int, M: int, N: int, K: int, sms: int):
+    from moegemm import cost_model
+
+    model = cost_model.load(target)
+    if model is None or op not in model.ops:
+        return None
+    if sms:
+        model = dataclasses.replace(model, sms=sms)
+    ranked = model.rank(op, candidates(op, target), G=G, M=M, N=N, K=K)
+    return ranked[0][1] if ranked else None

@@ -23,7 +23,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--cases",
         help="comma-separated case names from moegemm.shapes (default: SUITE on "
-        "CUDA, TINY on CPU); 'suite', 'tiny' and 'all' name whole sets",
+        "CUDA, TINY on CPU); 'suite', 'heldout', 'tiny' and 'all' name whole sets",
     )
     p.add_argument("--ops", default="fwd,dgrad,wgrad", help="comma-separated subset of fwd,dgrad,wgrad")
     p.add_argument("--impls", help="comma-separated impl names (default: all registered)")
@@ -61,6 +61,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="where --tune writes <device>.json (default: the committed "
         "src/moegemm/tuned_configs/; elsewhere, the file starts as a copy of the committed one)",
     )
+    model = p.add_argument_group("config cost model (moegemm/cost_model.py; no GPU needed)")
+    model.add_argument(
+        "--fit-model",
+        nargs="+",
+        type=Path,
+        metavar="TUNE_JSON",
+        help="fit the model to these --tune result files and write it (--out, default the committed "
+        "src/moegemm/tuned_configs/model-sm90.json)",
+    )
+    model.add_argument(
+        "--eval-model",
+        nargs="+",
+        type=Path,
+        metavar="TUNE_JSON",
+        help="score the committed model's picks against the measured candidates of these --tune files "
+        "(e.g. a held-out set's): model pick and table default as a share of the fastest",
+    )
+    model.add_argument("--sms", type=int, default=132, help="SM count of the tuned device, for --fit-model")
     p.add_argument("--overhead", action="store_true", help="also measure host time per call on a tiny shape")
     p.add_argument(
         "--ep",
@@ -101,7 +119,7 @@ def select_cases(args, shapes, cuda: bool):
             shapes.te_case(args.num_experts, args.ep_size, args.hidden_dim, args.expert_dim, args.tokens, fc)
             for fc in (1, 2)
         ]
-    sets = {"suite": shapes.SUITE, "tiny": shapes.TINY, "all": shapes.ALL}
+    sets = {"suite": shapes.SUITE, "heldout": shapes.HELDOUT, "tiny": shapes.TINY, "all": shapes.ALL}
     names = _csv(args.cases)
     if not names:
         return list(shapes.SUITE if cuda else shapes.TINY)
@@ -116,6 +134,8 @@ def select_cases(args, shapes, cuda: bool):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.fit_model or args.eval_model:
+        return _model_cli(args)
     import torch
 
     cuda = args.device != "cpu" and torch.cuda.is_available()
@@ -274,6 +294,33 @@ def main(argv=None) -> int:
     if not args.no_plot and records:
         console.print(f"wrote {report.plot(args.plot or path.with_suffix('.png'), records, title)}")
     console.print(f"done in {elapsed:.0f} s")
+    return 0
+
+
+def _model_cli(args) -> int:
+    import json
+
+    from moegemm import cost_model
+    from moegemm.bench import fit_model
+
+    if args.fit_model:
+        fit_model.run(args.fit_model, args.out, sms=args.sms)
+        return 0
+    model = cost_model.load("sm90")
+    if model is None:
+        raise SystemExit(f"no committed model at {cost_model.model_path('sm90')}")
+    rows = fit_model.evaluate(model, fit_model.samples(fit_model.load_records(args.eval_model)))
+    for r in rows:
+        print(f"{r['launch']:<36} model {r['model_vs_best']:.3f}  default {r['default_vs_best']:.3f} of best")
+    summary = fit_model.summarize(rows)
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        args.out.write_text(
+            json.dumps(
+                {"sources": [str(p) for p in args.eval_model], "summary": summary, "rows": rows}, indent=1
+            )
+            + "\n"
+        )
     return 0
 
 

@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+from moegemm import shapes
 from moegemm.bench import roofline
 from moegemm.bench.harness import TORCH_PEER
 
@@ -109,7 +110,19 @@ def table(records: list[dict], title: str = ""):
 
 
 def summary(records: list[dict]) -> dict:
-    """Geometric-mean speedup of moegemm over torch._grouped_mm and the goal counts, over (case, op)."""
+    """Geometric-mean speedup of moegemm over torch._grouped_mm and the goal counts, over (case, op);
+    the same per shape set (``by_set``: suite, heldout, ...; moegemm.shapes.case_set)."""
+    sets = {}
+    for r in records:
+        sets.setdefault(shapes.case_set(r["case"]), []).append(r)
+    return {
+        **_counts(records),
+        "by_set": {name: _counts(rs) for name, rs in sorted(sets.items())},
+        **frontends(records),
+    }
+
+
+def _counts(records: list[dict]) -> dict:
     mine = [r for r in records if r["impl"] == SUBJECT and r["status"] == "ok"]
     ratios = [r["vs_torch"] for r in mine if r["vs_torch"] is not None]
     keys = {(r["case"], r["op"]) for r in records}
@@ -123,7 +136,7 @@ def summary(records: list[dict]) -> dict:
         "ge_1x_torch": sum(r >= 1.0 for r in ratios),
         "ge_85pct_floor": sum(r["pct_floor"] >= GOAL_PCT_FLOOR for r in mine),
         "both": sum(r["vs_torch"] >= 1.0 and r["pct_floor"] >= GOAL_PCT_FLOOR for r in both),
-        **frontends(records),
+        "worst_vs_torch": min(ratios) if ratios else None,
     }
 
 
@@ -153,6 +166,14 @@ def frontends(records: list[dict], jax_impl: str = "moegemm-jax") -> dict:
 
 
 def summary_line(s: dict) -> str:
+    line = _counts_line(s)
+    by_set = s.get("by_set") or {}
+    if len(by_set) > 1:
+        line += "".join(f"\n  {name}: {_counts_line(c)}" for name, c in by_set.items())
+    return line
+
+
+def _counts_line(s: dict) -> str:
     geo = (
         "n/a (no torch._grouped_mm to compare)"
         if s["geomean_vs_torch"] is None

@@ -98,7 +98,15 @@ def _launch_options(
     if G_total is not None:
         M = max(1, -(-M * G // max(G_total, 1)))
     config = configs.pick_config(
-        op, target.name, device_name=target.device_name, dtype=dtype.name, G=G, N=N, K=K, M=M
+        op,
+        target.name,
+        device_name=target.device_name,
+        dtype=dtype.name,
+        G=G,
+        N=N,
+        K=K,
+        M=M,
+        sms=target.programs,
     )
     return dict(
         config=config,

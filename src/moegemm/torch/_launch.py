@@ -52,7 +52,15 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _m_launch(M, N, K, G, dtype, device, max_stride, w_k_contiguous, has_bias) -> MGroupedLaunch:
     target, device_name, programs = _target(device)
     config = configs.pick_config(
-        "m_grouped", target, device_name=device_name, dtype=_dtype_name(dtype), G=G, N=N, K=K, M=M
+        "m_grouped",
+        target,
+        device_name=device_name,
+        dtype=_dtype_name(dtype),
+        G=G,
+        N=N,
+        K=K,
+        M=M,
+        sms=programs,
     )
     return MGroupedLaunch.make(
         M,
@@ -73,7 +81,15 @@ def _m_launch(M, N, K, G, dtype, device, max_stride, w_k_contiguous, has_bias) -
 def _k_launch(M, N, K, G, dtype, device, max_stride, a_k_contiguous, accumulate, a_colsum) -> KGroupedLaunch:
     target, device_name, programs = _target(device)
     config = configs.pick_config(
-        "k_grouped", target, device_name=device_name, dtype=_dtype_name(dtype), G=G, N=N, K=K, M=M
+        "k_grouped",
+        target,
+        device_name=device_name,
+        dtype=_dtype_name(dtype),
+        G=G,
+        N=N,
+        K=K,
+        M=M,
+        sms=programs,
     )
     return KGroupedLaunch.make(
         M,
