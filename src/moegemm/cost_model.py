@@ -8,7 +8,7 @@ arithmetic over the launch's own sizes (the ``pick_config`` arguments: op kind, 
     steps  = reduction steps per tile
     T_tile = a[config] + b[config] * steps            # one program's time for one tile
     T_mma  = ceil(tiles / (SMs * ctas_per_sm)) * T_tile   # persistent grid: whole waves of tiles
-    T_hbm  = (bytes touched once + gamma * bytes re-read per extra tile) / bw
+    T_hbm  = (bytes touched once + gamma * operand bytes all waves load) / bw
     T      = c0 + (T_mma**p + T_hbm**p) ** (1 / p)     # a smooth max of the two bounds
 
 a and b per config, bw, gamma, c0 and p per op kind, are fitted to measured times (``python -m
@@ -42,32 +42,64 @@ def expected_blocks(mean_rows: float, block: int) -> float:
 @dataclasses.dataclass(frozen=True)
 class Work:
     """What one launch of a config does: output tiles, reduction steps per tile, HBM bytes read or
-    written once, and the bytes re-read because a tile edge splits an operand (served by L2 or not)."""
+    written once, and the operand bytes all waves of tiles load (``wave_traffic``: what L2 serves
+    and, when the working set outgrows it, HBM; it falls as GROUP_M's band shares panels)."""
 
     tiles: float
     steps: float
     bytes_once: float
-    bytes_reread: float
+    wave_traffic: float
 
 
-def work(op: str, config, *, G: int, M: int, N: int, K: int, itemsize: int = 2) -> Work:
+def wave_traffic(
+    tiles: float,
+    slots: int,
+    band: float,
+    row_tiles: float,
+    col_tiles: int,
+    rows: int,
+    cols: int,
+    depth: float,
+) -> float:
+    """Elements of operand panels loaded by all waves of a persistent launch. One wave is ``slots``
+    concurrent tiles. Tile (i, j) of a group reads a row panel [rows, depth] and a column panel
+    [cols, depth]; the swizzle runs a band of min(GROUP_M, row tiles of the group) row tiles across
+    the columns, so a wave inside one band loads ``band`` row panels and slots / band column panels;
+    a wave wider than a band spans whole rows and, past a group's rows, the next group's panels."""
+    if tiles <= 0:
+        return 0.0
+    band = max(1.0, min(band, row_tiles))
+    if slots <= band * col_tiles:
+        row_panels, col_panels = band, math.ceil(slots / band)
+    else:
+        row_panels = slots / col_tiles
+        col_panels = col_tiles * max(1.0, row_panels / max(row_tiles, 1.0))
+    return tiles / slots * (row_panels * rows + col_panels * cols) * depth
+
+
+def work(op: str, config, *, G: int, M: int, N: int, K: int, sms: int = 132, itemsize: int = 2) -> Work:
     """The launch's work under ``config`` (an MGroupedConfig for "m_grouped", KGroupedConfig for
     "k_grouped"), with the launcher's sizes: m_grouped out [M, N] += x [M, K] @ w [K, N] per group;
     k_grouped out [G, K, N] = a [M, K]^T @ b [M, N] per group."""
     mean_rows = M / max(G, 1)
+    slots = sms * config.ctas_per_sm
     if op == "m_grouped":
-        row_tiles = G * expected_blocks(mean_rows, config.block_m)
+        row_tiles = expected_blocks(mean_rows, config.block_m)  # per group
         col_tiles = math.ceil(N / config.block_n)
+        tiles = G * row_tiles * col_tiles
         once = M * K + G * N * K + M * N
-        # x is read once per column tile, each expert's weight once per row tile of that expert.
-        reread = M * K * (col_tiles - 1) + G * N * K * max(row_tiles / max(G, 1) - 1, 0.0)
-        return Work(row_tiles * col_tiles, math.ceil(K / config.block_k), once * itemsize, reread * itemsize)
+        traffic = wave_traffic(
+            tiles, slots, config.group_m, row_tiles, col_tiles, config.block_m, config.block_n, K
+        )
+        return Work(tiles, math.ceil(K / config.block_k), once * itemsize, traffic * itemsize)
     if op == "k_grouped":
         k_tiles, n_tiles = math.ceil(K / config.block_k), math.ceil(N / config.block_n)
+        tiles = G * k_tiles * n_tiles
         once = M * K + M * N + G * K * N
-        reread = M * K * (n_tiles - 1) + M * N * (k_tiles - 1)
-        steps = expected_blocks(mean_rows, config.block_r)
-        return Work(G * k_tiles * n_tiles, steps, once * itemsize, reread * itemsize)
+        traffic = wave_traffic(
+            tiles, slots, config.group_m, k_tiles, n_tiles, config.block_k, config.block_n, mean_rows
+        )
+        return Work(tiles, expected_blocks(mean_rows, config.block_r), once * itemsize, traffic * itemsize)
     raise ValueError(f"op must be one of {OP_KINDS}, got {op!r}")
 
 
@@ -88,7 +120,7 @@ class OpModel:
         if coeffs is None:
             return None
         return predict(
-            coeffs, (self.bw, self.gamma, self.c0, self.p), work_of(config, G, M, N, K), config, sms
+            coeffs, (self.bw, self.gamma, self.c0, self.p), work_of(config, G, M, N, K, sms), config, sms
         )
 
 
@@ -100,13 +132,13 @@ def predict(coeffs, globals_, w: Work, config, sms: int) -> float:
         return c0
     waves = math.ceil(w.tiles / (sms * config.ctas_per_sm))
     t_mma = waves * (a + b * w.steps)
-    t_hbm = (w.bytes_once + gamma * w.bytes_reread) / bw
+    t_hbm = (w.bytes_once + gamma * w.wave_traffic) / bw
     return c0 + (t_mma**p + t_hbm**p) ** (1.0 / p)
 
 
-def work_of(config, G: int, M: int, N: int, K: int) -> Work:
+def work_of(config, G: int, M: int, N: int, K: int, sms: int) -> Work:
     op = "m_grouped" if hasattr(config, "block_m") else "k_grouped"
-    return work(op, config, G=G, M=M, N=N, K=K)
+    return work(op, config, G=G, M=M, N=N, K=K, sms=sms)
 
 
 def config_fields(config) -> tuple:
