@@ -18,11 +18,78 @@ over that group's rows in steps of BLOCK_R.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import triton
 import triton.language as tl
 
 from moegemm.kernels.schedule import group_row_bounds, local_group_row_bounds, pick, swizzle_tile
+
+# The flat loop (k_grouped_mm_kernel's FLAT); MOEGEMM_K_FLAT=0 selects the loop nest, to compare them.
+FLAT_LOOP = os.environ.get("MOEGEMM_K_FLAT", "1") != "0"
+
+
+@triton.jit
+def _k_step(
+    a_ptrs,
+    b_ptrs,
+    r_mask,
+    k_mask,
+    col_mask,
+    acc,
+    A_K_CONTIGUOUS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """acc += a_step^T @ b_step for one BLOCK_R step of rows (rows past the group's end masked)."""
+    if A_K_CONTIGUOUS:  # row-major a: loaded [BLOCK_R, BLOCK_K] as stored, transposed in smem
+        a = tl.trans(tl.load(a_ptrs, mask=r_mask[:, None] & k_mask[None, :], other=0.0))
+    else:
+        a = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+    b = tl.load(b_ptrs, mask=r_mask[:, None] & col_mask[None, :], other=0.0)
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _k_epilogue(
+    c_ptr,
+    out_ptr,
+    acc,
+    g,
+    k_tile,
+    n_tile,
+    has_rows,
+    offs_k,
+    offs_n,
+    k_mask,
+    col_mask,
+    stride_og: tl.constexpr,
+    stride_ok: tl.constexpr,
+    stride_on: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+):
+    """Stores one finished out[g] tile (adding c's tile when accumulating)."""
+    out_offs = (
+        g.to(tl.int64) * stride_og
+        + (k_tile * BLOCK_K).to(tl.int64) * stride_ok
+        + (n_tile * BLOCK_N).to(tl.int64) * stride_on
+        + (offs_k[:, None] * stride_ok + offs_n[None, :] * stride_on)
+    )
+    out_mask = k_mask[:, None] & col_mask[None, :]
+    if ACCUMULATE:
+        # An empty group leaves out[g] as it was: no read and no write (storing 0 + old would turn
+        # -0.0 into +0.0). c shares out's strides; it is out itself in PyTorch, and in JAX the input
+        # aliased to out (input_output_aliases), so skipped elements keep c's values either way.
+        if has_rows:
+            acc += tl.load(c_ptr + out_offs, mask=out_mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -64,6 +131,7 @@ def k_grouped_mm_kernel(
     WIDE_OFFSETS: tl.constexpr,
     ACCUMULATE: tl.constexpr,  # out = c + a^T b instead of a^T b
     A_COLSUM: tl.constexpr,  # also write a_colsum[g] = sum(a[rows(g)], 0) (fresh, never accumulated)
+    FLAT: tl.constexpr,  # one flat loop over all steps of all tiles (next tile's loads overlap the store)
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot is wrong on bf16 operands
     PRECISION: tl.constexpr,
 ):
@@ -84,61 +152,129 @@ def k_grouped_mm_kernel(
         offs_k = offs_k.to(tl.int64)
         offs_n = offs_n.to(tl.int64)
         offs_r = offs_r.to(tl.int64)
-    for tile in range(pid, G * tiles_per_group, NUM_PROGRAMS):
-        g = tile // tiles_per_group
-        k_tile, n_tile = swizzle_tile(tile % tiles_per_group, k_tiles, n_tiles, GROUP_M)
-        row_start = pick(starts, offs, g)
-        row_end = pick(ends, offs, g)
-        k_mask = offs_k < K - k_tile * BLOCK_K
-        col_mask = offs_n < N - n_tile * BLOCK_N
-
-        # 64-bit scalar bases advanced from the loop variable (not loop-carried, so alignment facts
-        # survive for cp.async pipelining); per-element offsets inside a tile stay 32-bit.
-        a_base = a_ptr + row_start * stride_am + (k_tile * BLOCK_K).to(tl.int64) * stride_ak
-        b_base = b_ptr + row_start * stride_bm + (n_tile * BLOCK_N).to(tl.int64) * stride_bn
-        if A_K_CONTIGUOUS:  # row-major a: load [BLOCK_R, BLOCK_K] as stored, transpose in smem
-            a_offs = offs_r[:, None] * stride_am + offs_k[None, :] * stride_ak
-        else:
-            a_offs = offs_k[:, None] * stride_ak + offs_r[None, :] * stride_am
-        b_offs = offs_r[:, None] * stride_bm + offs_n[None, :] * stride_bn
+    if A_K_CONTIGUOUS:  # row-major a: load [BLOCK_R, BLOCK_K] as stored, transpose in smem
+        a_offs = offs_r[:, None] * stride_am + offs_k[None, :] * stride_ak
+    else:
+        a_offs = offs_k[:, None] * stride_ak + offs_r[None, :] * stride_am
+    b_offs = offs_r[:, None] * stride_bm + offs_n[None, :] * stride_bn
+    if FLAT:
+        # One flat loop over every reduction step of every tile this program owns, with the tile's
+        # epilogue under an `if` at its last step: the software pipeliner then prefetches the next
+        # tile's first rows while this tile is stored, instead of filling and draining the pipeline per
+        # tile (Triton's own nest flattening, tl.range(flatten=True), needs inner-loop bounds that do
+        # not depend on the tile, and ours are the group's rows). A tile of group g takes
+        # max(1, cdiv(rows_g, BLOCK_R)) steps: an empty group's tile still stores its zeros, from one
+        # all-masked step. Programs own tiles pid, pid + NUM_PROGRAMS, ...; `mine` counts them per group.
+        first_tile = offs * tiles_per_group
+        mine = tl.maximum(first_tile + tiles_per_group - pid + NUM_PROGRAMS - 1, 0) // NUM_PROGRAMS
+        mine -= tl.maximum(first_tile - pid + NUM_PROGRAMS - 1, 0) // NUM_PROGRAMS
+        steps_of = tl.maximum(tl.cdiv(ends - starts, BLOCK_R), 1)
+        total = tl.sum(tl.where(offs < G, mine * steps_of, 0), 0)
+        tile = pid - NUM_PROGRAMS
+        step = -1
+        num_steps = 0
+        g = 0
+        k_tile = 0
+        n_tile = 0
+        row_start = tl.zeros((), dtype=tl.int64)
+        row_end = tl.zeros((), dtype=tl.int64)
+        a_base = a_ptr
+        b_base = b_ptr
+        k_mask = offs_k < 0
+        col_mask = offs_n < 0
         acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-        for r in range(row_start, row_end, BLOCK_R):
-            r_mask = offs_r < row_end - r
-            step = r - row_start
-            if A_K_CONTIGUOUS:
-                a = tl.trans(
-                    tl.load(
-                        a_base + step * stride_am + a_offs, mask=r_mask[:, None] & k_mask[None, :], other=0.0
-                    )
-                )
-            else:
-                a = tl.load(
-                    a_base + step * stride_am + a_offs, mask=k_mask[:, None] & r_mask[None, :], other=0.0
-                )
-            b = tl.load(
-                b_base + step * stride_bm + b_offs, mask=r_mask[:, None] & col_mask[None, :], other=0.0
+        for _ in range(0, total):
+            step = tl.where(step == num_steps - 1, 0, step + 1)
+            if step == 0:
+                tile += NUM_PROGRAMS
+                g = tile // tiles_per_group
+                k_tile, n_tile = swizzle_tile(tile % tiles_per_group, k_tiles, n_tiles, GROUP_M)
+                row_start = pick(starts, offs, g)
+                row_end = pick(ends, offs, g)
+                num_steps = tl.maximum(tl.cdiv(row_end - row_start, BLOCK_R), 1).to(tl.int32)
+                k_mask = offs_k < K - k_tile * BLOCK_K
+                col_mask = offs_n < N - n_tile * BLOCK_N
+                a_base = a_ptr + row_start * stride_am + (k_tile * BLOCK_K).to(tl.int64) * stride_ak
+                b_base = b_ptr + row_start * stride_bm + (n_tile * BLOCK_N).to(tl.int64) * stride_bn
+            rows_done = step.to(tl.int64) * BLOCK_R
+            r_mask = offs_r < row_end - row_start - rows_done
+            acc = _k_step(
+                a_base + rows_done * stride_am + a_offs,
+                b_base + rows_done * stride_bm + b_offs,
+                r_mask,
+                k_mask,
+                col_mask,
+                acc,
+                A_K_CONTIGUOUS,
+                UPCAST,
+                PRECISION,
             )
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-
-        out_offs = (
-            g.to(tl.int64) * stride_og
-            + (k_tile * BLOCK_K).to(tl.int64) * stride_ok
-            + (n_tile * BLOCK_N).to(tl.int64) * stride_on
-            + (offs_k[:, None] * stride_ok + offs_n[None, :] * stride_on)
-        )
-        out_mask = k_mask[:, None] & col_mask[None, :]
-        if ACCUMULATE:
-            # An empty group leaves out[g] as it was: no read and no write (storing 0 + old would turn
-            # -0.0 into +0.0). c shares out's strides; it is out itself in PyTorch, and in JAX the input
-            # aliased to out (input_output_aliases), so skipped elements keep c's values either way.
-            if row_end > row_start:
-                acc += tl.load(c_ptr + out_offs, mask=out_mask, other=0.0).to(tl.float32)
-                tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-        else:
-            tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+            if step == num_steps - 1:
+                _k_epilogue(
+                    c_ptr,
+                    out_ptr,
+                    acc,
+                    g,
+                    k_tile,
+                    n_tile,
+                    row_end > row_start,
+                    offs_k,
+                    offs_n,
+                    k_mask,
+                    col_mask,
+                    stride_og,
+                    stride_ok,
+                    stride_on,
+                    BLOCK_K,
+                    BLOCK_N,
+                    ACCUMULATE,
+                )
+                acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    else:
+        for tile in range(pid, G * tiles_per_group, NUM_PROGRAMS):
+            g = tile // tiles_per_group
+            k_tile, n_tile = swizzle_tile(tile % tiles_per_group, k_tiles, n_tiles, GROUP_M)
+            row_start = pick(starts, offs, g)
+            row_end = pick(ends, offs, g)
+            k_mask = offs_k < K - k_tile * BLOCK_K
+            col_mask = offs_n < N - n_tile * BLOCK_N
+            # 64-bit scalar bases advanced from the loop variable (not loop-carried, so alignment facts
+            # survive for cp.async pipelining); per-element offsets inside a tile stay 32-bit.
+            a_base = a_ptr + row_start * stride_am + (k_tile * BLOCK_K).to(tl.int64) * stride_ak
+            b_base = b_ptr + row_start * stride_bm + (n_tile * BLOCK_N).to(tl.int64) * stride_bn
+            acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+            for r in range(row_start, row_end, BLOCK_R):
+                step = r - row_start
+                acc = _k_step(
+                    a_base + step * stride_am + a_offs,
+                    b_base + step * stride_bm + b_offs,
+                    offs_r < row_end - r,
+                    k_mask,
+                    col_mask,
+                    acc,
+                    A_K_CONTIGUOUS,
+                    UPCAST,
+                    PRECISION,
+                )
+            _k_epilogue(
+                c_ptr,
+                out_ptr,
+                acc,
+                g,
+                k_tile,
+                n_tile,
+                row_end > row_start,
+                offs_k,
+                offs_n,
+                k_mask,
+                col_mask,
+                stride_og,
+                stride_ok,
+                stride_on,
+                BLOCK_K,
+                BLOCK_N,
+                ACCUMULATE,
+            )
 
     if A_COLSUM:
         # Column sums of a (the bias gradient when a = dy): G x k_tiles memory-bound tiles after the GEMM
@@ -222,6 +358,7 @@ class KGroupedLaunch:
             WIDE_OFFSETS=2 * max(config.block_k, config.block_n, config.block_r) * max_stride >= 2**31,
             ACCUMULATE=accumulate,
             A_COLSUM=a_colsum,
+            FLAT=FLAT_LOOP,
             UPCAST=interpret,
             PRECISION="ieee" if fp32_inputs or interpret else "tf32",
             num_warps=config.num_warps,
