@@ -130,12 +130,17 @@ def test_pick_config_cache_then_model_then_default(monkeypatch):
 
 
 def test_model_changes_picks_where_the_default_was_slow():
-    """On the 128-expert wgrad launches the table default (128 x 256) measured 6-9% slower than the
-    128 x 128 x 32 two-CTA tile; the model, with no cache, picks the latter."""
-    case = shapes.get("gptoss-120b-fc1")
+    """On the 128-expert wgrad launches (128 rows per expert) the table default (128 x 256, loop per
+    tile) measured 12-16% slower than the best; the model, with no cache, picks a two-CTA tile with
+    the flat loop, which was the fastest measured there (qwen3-30b-fc1, gptoss-120b-fc1)."""
+    for name in ("qwen3-30b-fc1", "gptoss-120b-fc1"):
+        case = shapes.get(name)
+        pick = configs._model_pick("k_grouped", "sm90", G=case.G, M=case.M, N=case.K, K=case.N, sms=132)
+        assert pick.flat and pick.ctas_per_sm == 2 and pick.block_n == 128, (name, pick)
+    # Long reductions (1024 rows per expert) keep the loop nest and the wide tile.
+    case = shapes.get("dsv3-ep8-fc1")
     pick = configs._model_pick("k_grouped", "sm90", G=case.G, M=case.M, N=case.K, K=case.N, sms=132)
-    assert pick == configs.KGroupedConfig(128, 128, 32, 8, 4, 4, 2)
-    assert pick != configs.candidates("k_grouped", "sm90")[0]
+    assert pick == configs.candidates("k_grouped", "sm90")[0]
 
 
 def test_heldout_set_is_disjoint_from_the_suite():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import DEVICE
@@ -195,6 +197,37 @@ class KGroupedTest:
 class TestKGroupedTriton(KGroupedTest):
     BACKEND = "triton"
     pytestmark = pytest.mark.gpu
+
+
+class TestKGroupedTritonFlat(KGroupedTest):
+    """The same cases through the flat loop (KGroupedConfig.flat: one loop over every reduction step
+    of a program's tiles), whichever config the target's table or model would pick."""
+
+    BACKEND = "triton"
+    pytestmark = pytest.mark.gpu
+
+    @pytest.fixture(autouse=True)
+    def flat_configs(self, monkeypatch):
+        from moegemm import configs
+        from moegemm.torch import _launch
+
+        inner = configs.pick_config
+
+        def pick(op, target, **kw):
+            config = inner(op, target, **kw)
+            return dataclasses.replace(config, flat=True) if op == "k_grouped" else config
+
+        monkeypatch.setattr(configs, "pick_config", pick)
+        _launch.clear_launch_cache()
+        yield
+        _launch.clear_launch_cache()
+
+    def test_flat_config_is_used(self):
+        from moegemm.torch import _launch
+
+        assert _launch._k_launch(
+            64, 16, 16, 2, torch.bfloat16, torch.device(DEVICE), 16, True, False, False
+        ).meta["FLAT"]
 
 
 class TestKGroupedReference(KGroupedTest):

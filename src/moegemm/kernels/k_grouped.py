@@ -18,15 +18,11 @@ over that group's rows in steps of BLOCK_R.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import triton
 import triton.language as tl
 
 from moegemm.kernels.schedule import group_row_bounds, local_group_row_bounds, pick, swizzle_tile
-
-# The flat loop (k_grouped_mm_kernel's FLAT); MOEGEMM_K_FLAT=0 selects the loop nest, to compare them.
-FLAT_LOOP = os.environ.get("MOEGEMM_K_FLAT", "1") != "0"
 
 
 @triton.jit
@@ -358,7 +354,7 @@ class KGroupedLaunch:
             WIDE_OFFSETS=2 * max(config.block_k, config.block_n, config.block_r) * max_stride >= 2**31,
             ACCUMULATE=accumulate,
             A_COLSUM=a_colsum,
-            FLAT=FLAT_LOOP,
+            FLAT=config.flat,
             UPCAST=interpret,
             PRECISION="ieee" if fp32_inputs or interpret else "tf32",
             num_warps=config.num_warps,
