@@ -36,8 +36,10 @@ def live(sizes, M):
 
 class KGroupedTest:
     BACKEND = "triton"
+    OUT_DTYPE = torch.float32  # of check()'s outputs unless a test names one
 
-    def check(self, M, K, N, sizes, dtype=torch.bfloat16, out_dtype=torch.float32, transposed=False, seed=0):
+    def check(self, M, K, N, sizes, dtype=torch.bfloat16, out_dtype=None, transposed=False, seed=0):
+        out_dtype = out_dtype or self.OUT_DTYPE
         a, b = make_inputs(M, K, N, dtype, seed, transposed)
         gs = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
         out = k_grouped_mm(a, b, gs, out_dtype=out_dtype, backend=self.BACKEND)
@@ -204,6 +206,7 @@ class TestKGroupedTritonFlat(KGroupedTest):
     of a program's tiles), whichever config the target's table or model would pick."""
 
     BACKEND = "triton"
+    OUT_DTYPE = torch.bfloat16  # the flat loop runs for 2-byte outputs only
     pytestmark = pytest.mark.gpu
 
     @pytest.fixture(autouse=True)
@@ -223,11 +226,12 @@ class TestKGroupedTritonFlat(KGroupedTest):
         _launch.clear_launch_cache()
 
     def test_flat_config_is_used(self):
+        """The flat loop for 2-byte outputs; fp32 outputs keep the loop per tile (shared memory)."""
         from moegemm.torch import _launch
 
-        assert _launch._k_launch(
-            64, 16, 16, 2, torch.bfloat16, torch.device(DEVICE), 16, True, False, False
-        ).meta["FLAT"]
+        spec = (64, 16, 16, 2, torch.bfloat16, torch.device(DEVICE), 16, True, False, False)
+        assert _launch._k_launch(*spec, 2).meta["FLAT"]
+        assert not _launch._k_launch(*spec, 4).meta["FLAT"]
 
 
 class TestKGroupedReference(KGroupedTest):

@@ -40,6 +40,7 @@ class KGroupedConfig:
     # One flat loop over all reduction steps of a program's tiles instead of a loop per tile: the next
     # tile's loads overlap this tile's store, which pays on short reductions (few rows per expert) and
     # costs per-step overhead on long ones (k_grouped_mm_kernel's FLAT; docs/perf-notes.md, 17).
+    # Used for 2-byte outputs only (KGroupedLaunch.make: out_itemsize).
     flat: bool = False
 
 
@@ -92,7 +93,6 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
         (K(128, 64, 64, 8, 4, 3, 3), "narrow N tile, 3 CTAs/SM"),
         (K(128, 128, 64, 8, 4, 3, 2, flat=True), "flat loop, 2 CTAs/SM: ~128-512 rows per expert"),
         (K(128, 128, 32, 8, 4, 4, 2, flat=True), "flat loop, short steps: ~128 rows per expert"),
-        (K(128, 256, 64, 8, 8, 3, 1, flat=True), "flat loop, wide tile"),
     ],
     # FP8: BLOCK_K 128 is one DeepSeek-V3 scale block (blockwise promotes once per step); 1-byte
     # operands fit a 128 x 256 x 128 tile in 3 stages (144 KB of shared memory).

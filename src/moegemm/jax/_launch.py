@@ -207,6 +207,7 @@ def k_grouped_mm_call(
         **_launch_options("k_grouped", M, N, K, G, a.dtype, target, g_total),
         accumulate=c is not None,
         g_total=g_total,
+        out_itemsize=jnp.dtype(out_dtype).itemsize,
     )
     # Without accumulation the kernel never reads c_ptr, and without A_COLSUM it never writes
     # a_colsum_ptr; any pointer fills those slots.

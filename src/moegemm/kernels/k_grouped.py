@@ -328,12 +328,18 @@ class KGroupedLaunch:
         a_k_contiguous: bool = True,
         a_colsum: bool = False,
         g_total: int | None = None,
+        out_itemsize: int = 4,
     ) -> KGroupedLaunch:
         """max_stride: the largest row/column stride of a, b and out[g] (default: contiguous, max(K, N)).
         a_k_contiguous: a's K stride is 1 (row-major a, the default for contiguous inputs).
         a_colsum: also write the per-group column sums of a (the bias gradient when a is dy).
         g_total: expert parallelism: group_sizes has g_total entries, out the G local groups from a
         device-side group offset (None: no offset, g_total = G).
+        out_itemsize: bytes per element of out. The flat loop (config.flat) keeps the pipeline's
+        shared buffers live through the epilogue, so the store's layout conversion takes shared memory
+        of its own: 128 KB for a 128 x 256 fp32 tile (over the H100's 227 KB with the operands, seen
+        on the H100), 64 KB for 128 x 128 (two CTAs no longer fit an SM). 4-byte outputs (fp32
+        main_grad) keep the loop per tile.
         """
         max_stride = max(K, N) if max_stride is None else max_stride
         k_tiles = triton.cdiv(K, config.block_k)
@@ -354,7 +360,7 @@ class KGroupedLaunch:
             WIDE_OFFSETS=2 * max(config.block_k, config.block_n, config.block_r) * max_stride >= 2**31,
             ACCUMULATE=accumulate,
             A_COLSUM=a_colsum,
-            FLAT=config.flat,
+            FLAT=config.flat and out_itemsize <= 2,
             UPCAST=interpret,
             PRECISION="ieee" if fp32_inputs or interpret else "tf32",
             num_warps=config.num_warps,

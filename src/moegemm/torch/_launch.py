@@ -78,7 +78,9 @@ def _m_launch(M, N, K, G, dtype, device, max_stride, w_k_contiguous, has_bias) -
 
 
 @functools.lru_cache(maxsize=4096)
-def _k_launch(M, N, K, G, dtype, device, max_stride, a_k_contiguous, accumulate, a_colsum) -> KGroupedLaunch:
+def _k_launch(
+    M, N, K, G, dtype, device, max_stride, a_k_contiguous, accumulate, a_colsum, out_itemsize
+) -> KGroupedLaunch:
     target, device_name, programs = _target(device)
     config = configs.pick_config(
         "k_grouped",
@@ -104,6 +106,7 @@ def _k_launch(M, N, K, G, dtype, device, max_stride, a_k_contiguous, accumulate,
         max_stride=max_stride,
         a_k_contiguous=a_k_contiguous,
         a_colsum=a_colsum,
+        out_itemsize=out_itemsize,
     )
 
 
@@ -265,6 +268,7 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) ->
         sa[1] == 1 and sa[0] != 1,
         accumulate,
         a_colsum is not None,
+        out.element_size(),
     )
     K_GROUPED.launch(
         spec,
