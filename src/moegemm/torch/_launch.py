@@ -46,22 +46,19 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _pick_config(op: str, target: str, device_name: str, programs: int, dtype, **sizes):
+    """The tile config for a launch of ``op`` with sizes G, N, K, M (configs.pick_config)."""
+    return configs.pick_config(
+        op, target, device_name=device_name, dtype=_dtype_name(dtype), sms=programs, **sizes
+    )
+
+
 # Launch descriptions depend only on static facts (shapes, dtype, device, stride class), so they are
 # memoized.
 @functools.lru_cache(maxsize=4096)
 def _m_launch(M, N, K, G, dtype, device, max_stride, w_k_contiguous, has_bias) -> MGroupedLaunch:
     target, device_name, programs = _target(device)
-    config = configs.pick_config(
-        "m_grouped",
-        target,
-        device_name=device_name,
-        dtype=_dtype_name(dtype),
-        G=G,
-        N=N,
-        K=K,
-        M=M,
-        sms=programs,
-    )
+    config = _pick_config("m_grouped", target, device_name, programs, dtype, G=G, N=N, K=K, M=M)
     return MGroupedLaunch.make(
         M,
         N,
@@ -82,17 +79,7 @@ def _k_launch(
     M, N, K, G, dtype, device, max_stride, a_k_contiguous, accumulate, a_colsum, out_itemsize
 ) -> KGroupedLaunch:
     target, device_name, programs = _target(device)
-    config = configs.pick_config(
-        "k_grouped",
-        target,
-        device_name=device_name,
-        dtype=_dtype_name(dtype),
-        G=G,
-        N=N,
-        K=K,
-        M=M,
-        sms=programs,
-    )
+    config = _pick_config("k_grouped", target, device_name, programs, dtype, G=G, N=N, K=K, M=M)
     return KGroupedLaunch.make(
         M,
         N,
