@@ -149,3 +149,15 @@ def test_heldout_set_is_disjoint_from_the_suite():
     assert not [c.name for c in shapes.HELDOUT if (c.G, c.K, c.N) in suite]
     assert {shapes.case_set(c.name) for c in shapes.HELDOUT} == {"heldout"}
     assert len({c.G for c in shapes.HELDOUT}) >= 5
+
+
+def test_cli_eval_model_writes_the_scores(tmp_path, capsys):
+    from moegemm.bench import __main__ as cli
+
+    heldout = RESULTS / "tune-heldout-nvidia-h100-2026-11-23.json"
+    out = tmp_path / "eval.json"
+    assert cli.main(["--eval-model", str(heldout), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["summary"]["launches"] == 33 and len(result["rows"]) == 33
+    assert {r["launch"].split("/")[0] for r in result["rows"]} == {c.name for c in shapes.HELDOUT}
+    assert "model_vs_best_geomean" in capsys.readouterr().out
