@@ -49,6 +49,7 @@ class Work:
     steps: float
     bytes_once: float
     wave_traffic: float
+    slots: int  # programs running at once: SMs x the config's CTAs per SM
 
 
 def wave_traffic(
@@ -91,7 +92,7 @@ def work(op: str, config, *, G: int, M: int, N: int, K: int, sms: int = 132, ite
         traffic = wave_traffic(
             tiles, slots, config.group_m, row_tiles, col_tiles, config.block_m, config.block_n, K
         )
-        return Work(tiles, math.ceil(K / config.block_k), once * itemsize, traffic * itemsize)
+        return Work(tiles, math.ceil(K / config.block_k), once * itemsize, traffic * itemsize, slots)
     if op == "k_grouped":
         k_tiles, n_tiles = math.ceil(K / config.block_k), math.ceil(N / config.block_n)
         tiles = G * k_tiles * n_tiles
@@ -99,7 +100,9 @@ def work(op: str, config, *, G: int, M: int, N: int, K: int, sms: int = 132, ite
         traffic = wave_traffic(
             tiles, slots, config.group_m, k_tiles, n_tiles, config.block_k, config.block_n, mean_rows
         )
-        return Work(tiles, expected_blocks(mean_rows, config.block_r), once * itemsize, traffic * itemsize)
+        return Work(
+            tiles, expected_blocks(mean_rows, config.block_r), once * itemsize, traffic * itemsize, slots
+        )
     raise ValueError(f"op must be one of {OP_KINDS}, got {op!r}")
 
 
@@ -119,18 +122,16 @@ class OpModel:
         coeffs = self.per_config.get(config_fields(config))
         if coeffs is None:
             return None
-        return predict(
-            coeffs, (self.bw, self.gamma, self.c0, self.p), work_of(config, G, M, N, K, sms), config, sms
-        )
+        return predict(coeffs, (self.bw, self.gamma, self.c0, self.p), work_of(config, G, M, N, K, sms))
 
 
-def predict(coeffs, globals_, w: Work, config, sms: int) -> float:
+def predict(coeffs, globals_, w: Work) -> float:
     """The model's formula (module docstring) for one config: coeffs (a, b), globals_ (bw, gamma, c0, p)."""
     a, b = coeffs
     bw, gamma, c0, p = globals_
     if w.tiles <= 0:
         return c0
-    waves = math.ceil(w.tiles / (sms * config.ctas_per_sm))
+    waves = math.ceil(w.tiles / w.slots)
     t_mma = waves * (a + b * w.steps)
     t_hbm = (w.bytes_once + gamma * w.wave_traffic) / bw
     return c0 + (t_mma**p + t_hbm**p) ** (1.0 / p)

@@ -97,8 +97,7 @@ def _fit_op(op: str, rows: list[Sample], sms: int) -> cost_model.OpModel:
     def residuals(x):
         per, glob = unpack(x)
         pred = [
-            cost_model.predict(per[cost_model.config_fields(s.config)], glob, w, s.config, sms)
-            for s, w in zip(rows, works)
+            cost_model.predict(per[cost_model.config_fields(s.config)], glob, w) for s, w in zip(rows, works)
         ]
         return np.log(pred) - measured
 
