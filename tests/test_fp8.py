@@ -270,6 +270,30 @@ class TestQuantize(QuantizeTest):
         self.BACKEND = backend
 
 
+@pytest.mark.parametrize("write_q", [True, False], ids=["data", "data_t"])
+@pytest.mark.parametrize("R, C, G", [(300, 40, 6), (32768, 7168, 32), (8192, 512, 256), (5, 4096, 1)])
+def test_quantize_tiles_geometry_covers_every_tile(R, C, G, write_q):
+    """The grid holds every row tile of any group sizes (each group's partial tile and the tail slot's),
+    every column tile, and small problems get single-tile programs (at least 16 per SM where possible)."""
+    from moegemm import configs
+    from moegemm.kernels import quantize_fp8 as qk
+
+    config, sms = configs.QuantizeConfig(), 132
+    block_r, block_c, chunks, grid = qk.tiles_geometry(R, C, G, qk.BLOCK_1X128, write_q, config, sms)
+    assert (block_r, block_c) == ((config.q_rows, 128) if write_q else (128, config.t_cols))
+    rng = np.random.default_rng(R + G)
+    for _ in range(50):
+        sizes = rng.multinomial(int(rng.integers(0, R + 1)), rng.dirichlet(np.ones(G) * 0.3))
+        row_tiles = sum(fp8.cdiv(int(s), block_r) for s in sizes) + fp8.cdiv(R - int(sizes.sum()), block_r)
+        assert row_tiles <= grid[0]
+    col_tiles = fp8.cdiv(C, block_c)
+    assert grid[1] * chunks >= col_tiles > (grid[1] - 1) * chunks
+    col_chunks = config.q_chunks if write_q else config.t_chunks
+    assert chunks == col_chunks or grid[0] * grid[1] >= 16 * sms or chunks == 1
+    if chunks < col_chunks:  # halved only while too few programs
+        assert grid[0] * fp8.cdiv(col_tiles, 2 * chunks) < 16 * sms
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 class TestGemm(GemmTest):
     @pytest.fixture(autouse=True)

@@ -46,18 +46,24 @@ class KGroupedConfig:
 
 @dataclasses.dataclass(frozen=True)
 class QuantizeConfig:
-    """FP8 quantize launches: the tile kernels' BLOCK_R x BLOCK_C tile (128 x 128 for blockwise, whose
-    scale blocks it is), and the row/column sweeps of rowwise scaling (rows per program and columns per
-    step; columns per program and rows per step)."""
+    """FP8 quantize launches. Tile kernels (``quantize_fp8.tiles_geometry``): a data tile is q_rows x
+    128 (one 1x128 scale block wide), a transposed-copy tile 128 x t_cols (one group-aligned 128x1 block
+    tall), a weight's 128x128 block is its own tile; a program takes up to q_chunks (t_chunks) column
+    tiles of one row tile, fewer where that leaves under 16 programs per SM; num_stages loads in flight.
+    Rowwise sweeps: rows per program and columns per step (data); columns per program and rows per
+    step (transposed copy); sweep_stages loads in flight."""
 
-    block_r: int = 128
-    block_c: int = 128
-    sweep_rows: int = 16
+    q_rows: int = 32
+    t_cols: int = 32
+    q_chunks: int = 4
+    t_chunks: int = 16
+    num_warps: int = 4
+    num_stages: int = 3
+    sweep_rows: int = 8
     sweep_cols: int = 512
-    col_block: int = 64
+    col_block: int = 32
     col_rows: int = 64
-    num_warps: int = 8
-    ctas_per_sm: int = 2
+    sweep_stages: int = 1
 
 
 M, K = MGroupedConfig, KGroupedConfig
@@ -137,9 +143,11 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
         (K(128, 128, 64, 8, 4, 4, 2), "~128 tokens/expert: half-block steps, deeper pipeline"),
     ],
     ("quantize_fp8", "interpret"): [
-        (QuantizeConfig(32, 32, 8, 32, 32, 16, 4, 1), "interpreter: small tiles")
+        (QuantizeConfig(32, 32, 8, 8, 4, 1, 8, 32, 32, 16, 1), "interpreter: small tiles")
     ],
-    ("quantize_fp8", "sm90"): [(QuantizeConfig(), "128 x 128 tiles are the blockwise scale blocks")],
+    ("quantize_fp8", "sm90"): [
+        (QuantizeConfig(), "best of 11 on 5 suite cases x 3 recipes, H100 (perf-notes 18, quantize-probe JSON)")
+    ],
     ("quantize_fp8", "cuda"): [(QuantizeConfig(), "untuned")],
     ("m_grouped_fp8", "cuda"): [(M(64, 64, 64, 8, 4, 2), "untuned; FP8 tensor cores need sm89+")],
     ("k_grouped_fp8", "cuda"): [(K(64, 64, 64, 8, 4, 2), "untuned; FP8 tensor cores need sm89+")],

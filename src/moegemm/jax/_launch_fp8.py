@@ -46,11 +46,6 @@ def _quantize_config(target: Target) -> configs.QuantizeConfig:
     return configs.pick_config("quantize_fp8", target.name)
 
 
-def _persistent_programs(R: int, C: int, G: int, block_r: int, block_c: int, target: Target, config) -> int:
-    tiles = (triton.cdiv(R, block_r) + G + 1) * triton.cdiv(C, block_c)
-    return max(1, min(tiles, target.programs * config.ctas_per_sm))
-
-
 def group_amax_call(
     x: jax.Array, group_sizes: jax.Array | None, G: int, rows_per_group: int, target: Target
 ) -> KernelCall:
@@ -58,7 +53,7 @@ def group_amax_call(
     groups of rows_per_group rows); the output starts zeroed (the kernel takes atomic maxima)."""
     R, C = x.shape
     config = _quantize_config(target)
-    n_prog = _persistent_programs(R, C, G, config.block_r, config.block_c, target, config)
+    block_r, block_c, chunks, grid = qk.tiles_geometry(R, C, G, qk.TENSOR, True, config, target.programs)
     meta = dict(
         R=R,
         C=C,
@@ -66,15 +61,16 @@ def group_amax_call(
         rows_per_group=rows_per_group,
         stride_xr=C,
         stride_xc=1,
-        NUM_PROGRAMS=n_prog,
-        BLOCK_R=config.block_r,
-        BLOCK_C=config.block_c,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        CHUNKS=chunks,
         BLOCK_G=_block_g(G),
         HAS_SIZES=group_sizes is not None,
+        NUM_STAGES=config.num_stages,
         num_warps=config.num_warps,
     )
     args = (x, _sizes_arg(group_sizes, x))
-    return KernelCall(qk.fp8_group_amax_kernel, (n_prog,), args, _sds((G,), jnp.float32), meta, {}, (0,))
+    return KernelCall(qk.fp8_group_amax_kernel, grid, args, _sds((G,), jnp.float32), meta, {}, (0,))
 
 
 def quantize_tiles_call(
@@ -104,11 +100,7 @@ def quantize_tiles_call(
     """
     R, C = x.shape
     config = _quantize_config(target)
-    if scaling == qk.TENSOR:
-        block_r, block_c = config.block_r, config.block_c
-    else:
-        block_r = block_c = fp8.SCALE_BLOCK
-    n_prog = _persistent_programs(R, C, G, block_r, block_c, target, config)
+    block_r, block_c, chunks, grid = qk.tiles_geometry(R, C, G, scaling, write_q, config, target.programs)
     kb = fp8.cdiv(C, fp8.SCALE_BLOCK)
     N = rows_per_group
     if scaling == qk.TENSOR:
@@ -161,11 +153,12 @@ def quantize_tiles_call(
         stride_sc=s_strides[2],
         stride_stb=st_strides[0],
         stride_stc=st_strides[1],
-        NUM_PROGRAMS=n_prog,
         BLOCK_R=block_r,
         BLOCK_C=block_c,
+        CHUNKS=chunks,
         BLOCK_G=_block_g(G),
         HAS_SIZES=group_sizes is not None,
+        NUM_STAGES=config.num_stages,
         SCALING=scaling,
         WRITE_Q=write_q,
         WRITE_T=not write_q,
@@ -175,7 +168,7 @@ def quantize_tiles_call(
         WIDE_OFFSETS=2 * max(block_r, block_c) * max_stride >= 2**31 or R * C >= 2**31,
         num_warps=config.num_warps,
     )
-    return KernelCall(qk.fp8_quantize_tiles_kernel, (n_prog,), args, outs, meta, {})
+    return KernelCall(qk.fp8_quantize_tiles_kernel, grid, args, outs, meta, {})
 
 
 def quantize_rows_call(
@@ -198,6 +191,7 @@ def quantize_rows_call(
         BLOCK_C=config.sweep_cols,
         BLOCK_G=_block_g(G),
         HAS_SIZES=group_sizes is not None,
+        NUM_STAGES=config.sweep_stages,
         FP8_MAX=fp8_max(dtype),
         EMULATE_CAST=target.name == "interpret",
         num_warps=config.num_warps,
@@ -242,6 +236,7 @@ def quantize_cols_call(
         BLOCK_C=config.col_block,
         BLOCK_G=_block_g(G),
         HAS_SIZES=group_sizes is not None,
+        NUM_STAGES=config.sweep_stages,
         T_GROUP_LOCAL=t_local_n > 0,
         FP8_MAX=fp8_max(dtype),
         EMULATE_CAST=target.name == "interpret",

@@ -23,6 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moegemm.fp8 import SCALE_BLOCK
 from moegemm.kernels.schedule import (
     aligned_group_offsets,
     group_row_bounds,
@@ -38,6 +39,31 @@ T_ALIGN = tl.constexpr(16)
 
 # SCALING of fp8_quantize_tiles_kernel.
 TENSOR, BLOCK_1X128, BLOCK_128X128 = 0, 1, 2
+
+
+def tiles_geometry(
+    R: int, C: int, G: int, scaling: int, write_q: bool, config, sms: int
+) -> tuple[int, int, int, tuple[int, int]]:
+    """(BLOCK_R, BLOCK_C, CHUNKS, grid) of a fp8_quantize_tiles_kernel (or, with write_q and TENSOR,
+    fp8_group_amax_kernel) launch over x [R, C] in G groups, for a ``configs.QuantizeConfig``.
+
+    A data tile is q_rows x 128 (its rows' 1x128 scales), a transposed-copy tile 128 x t_cols (its
+    columns' group-aligned 128x1 scales), a 128x128 weight block one tile. Each program takes one row
+    tile and CHUNKS column tiles of it: the config's q_chunks (t_chunks), halved while that leaves
+    under 16 programs per SM (``sms``) so small problems still fill the GPU (a program's tiles run one
+    after another). The grid holds every row tile any group sizes can produce (each group adds at
+    most one partial tile, plus the tail slot's); the programs past the last one exit.
+    """
+    if scaling == BLOCK_128X128:
+        block_r, block_c, chunks = SCALE_BLOCK, SCALE_BLOCK, config.q_chunks
+    elif write_q:
+        block_r, block_c, chunks = config.q_rows, SCALE_BLOCK, config.q_chunks
+    else:
+        block_r, block_c, chunks = SCALE_BLOCK, config.t_cols, config.t_chunks
+    row_tiles, col_tiles = triton.cdiv(R, block_r) + G + 1, triton.cdiv(C, block_c)
+    while chunks > 1 and row_tiles * triton.cdiv(col_tiles, chunks) < 16 * sms:
+        chunks //= 2
+    return block_r, block_c, chunks, (row_tiles, triton.cdiv(col_tiles, chunks))
 
 
 @triton.jit
@@ -98,31 +124,36 @@ def fp8_group_amax_kernel(
     rows_per_group,
     stride_xr,
     stride_xc,
-    NUM_PROGRAMS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    CHUNKS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HAS_SIZES: tl.constexpr,
+    NUM_STAGES: tl.constexpr,  # loads in flight per loop (cp.async pipelining)
 ):
-    pid = tl.program_id(0)
+    # Program (row tile, column segment), as fp8_quantize_tiles_kernel; one atomic per program.
+    row_tile = tl.program_id(0)
     offs, starts, ends = _bounds(group_sizes_ptr, G, R, rows_per_group, BLOCK_G, HAS_SIZES)
-    n_tiles = tl.cdiv(C, BLOCK_C)
-    starts, ends, m_tiles, tile_ends, total = row_tile_space(offs, starts, ends, G, R, n_tiles, BLOCK_R)
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_c = tl.arange(0, BLOCK_C)
-    for tile in range(pid, total, NUM_PROGRAMS):
-        g, m_tile, n_tile, row0, row_end, _ = locate_row_tile(
-            tile, offs, starts, ends, m_tiles, tile_ends, n_tiles, BLOCK_R, 1
-        )
-        if g < G:  # the tail slot's rows belong to no group
-            col0 = n_tile * BLOCK_C
-            mask = (offs_r < row_end - row0)[:, None] & (offs_c < C - col0)[None, :]
+    starts, ends, m_tiles, tile_ends, total = row_tile_space(offs, starts, ends, G, R, 1, BLOCK_R)
+    g, _, _, row0, row_end, _ = locate_row_tile(
+        row_tile, offs, starts, ends, m_tiles, tile_ends, 1, BLOCK_R, 1
+    )
+    if row_tile < total and g < G:  # the tail slot's rows belong to no group
+        offs_r = tl.arange(0, BLOCK_R)
+        offs_c = tl.arange(0, BLOCK_C)
+        row_mask = offs_r < row_end - row0
+        amax = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+        first = tl.program_id(1) * CHUNKS
+        for c in tl.range(0, tl.minimum(CHUNKS, tl.cdiv(C, BLOCK_C) - first), num_stages=NUM_STAGES):
+            col0 = (first + c) * BLOCK_C
+            mask = row_mask[:, None] & (offs_c < C - col0)[None, :]
             base = x_ptr + row0 * stride_xr + col0.to(tl.int64) * stride_xc
             x = tl.load(
                 base + offs_r[:, None] * stride_xr + offs_c[None, :] * stride_xc, mask=mask, other=0.0
             )
-            # max is exact and order-free: the atomics leave a deterministic result.
-            tl.atomic_max(amax_ptr + g, tl.max(tl.max(tl.abs(x.to(tl.float32)), 1), 0))
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        # max is exact and order-free: the atomics leave a deterministic result.
+        tl.atomic_max(amax_ptr + g, tl.max(tl.max(amax, 1), 0))
 
 
 @triton.jit
@@ -150,11 +181,12 @@ def fp8_quantize_tiles_kernel(
     stride_sc,
     stride_stb,  # BLOCK_1X128 transposed: scale_t[group-aligned row block, col]
     stride_stc,
-    NUM_PROGRAMS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    CHUNKS: tl.constexpr,  # BLOCK_C-wide column tiles per program
     BLOCK_G: tl.constexpr,
     HAS_SIZES: tl.constexpr,
+    NUM_STAGES: tl.constexpr,  # loads in flight per loop (cp.async pipelining)
     SCALING: tl.constexpr,
     WRITE_Q: tl.constexpr,  # data and scale
     WRITE_T: tl.constexpr,  # data_t and scale_t; never both in one launch (see below)
@@ -163,11 +195,15 @@ def fp8_quantize_tiles_kernel(
     EMULATE_CAST: tl.constexpr,  # interpreter only
     WIDE_OFFSETS: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    # Program (row tile, column segment): one group-aligned BLOCK_R-row tile and CHUNKS column tiles,
+    # so the group bookkeeping (a few reductions over BLOCK_G lanes) is paid once per CHUNKS tiles,
+    # and a grid of every tile's program (an upper bound; the extra ones exit) keeps many small tiles
+    # in flight per SM: this kernel is bandwidth-bound, and a persistent loop of 128 x 128 tiles left
+    # it at 10-30% of HBM (perf-notes 18).
+    row_tile = tl.program_id(0)
     offs, starts, ends = _bounds(group_sizes_ptr, G, R, rows_per_group, BLOCK_G, HAS_SIZES)
     t_units = aligned_group_offsets(offs, starts, ends, G, T_ALIGN)
-    n_tiles = tl.cdiv(C, BLOCK_C)
-    starts, ends, m_tiles, tile_ends, total = row_tile_space(offs, starts, ends, G, R, n_tiles, BLOCK_R)
+    starts, ends, m_tiles, tile_ends, total = row_tile_space(offs, starts, ends, G, R, 1, BLOCK_R)
     dtype = q_ptr.dtype.element_ty
     # One launch stores data and scale (WRITE_Q), a second one the transposed copy (WRITE_T), each
     # from its own read of x. In one launch the bundled ptxas (12.9) miscompiles the transposed store
@@ -177,7 +213,7 @@ def fp8_quantize_tiles_kernel(
     # present", fixed by ptxas 13.3. The price is a second read of x (2 of 6 bytes per element).
     if SCALING == 0 and WRITE_Q:
         # Every group's scale, empty groups included (they have no tiles to write it).
-        if pid == 0:
+        if row_tile == 0 and tl.program_id(1) == 0:
             amax = tl.load(amax_ptr + offs, mask=offs < G, other=0.0)
             tl.store(s_ptr + offs * stride_sg, _scale(amax, FP8_MAX), mask=offs < G)
     offs_r = tl.arange(0, BLOCK_R)
@@ -185,35 +221,51 @@ def fp8_quantize_tiles_kernel(
     if WIDE_OFFSETS:
         offs_r = offs_r.to(tl.int64)
         offs_c = offs_c.to(tl.int64)
-    for tile in range(pid, total, NUM_PROGRAMS):
-        g, m_tile, n_tile, row0, row_end, block_base = locate_row_tile(
-            tile, offs, starts, ends, m_tiles, tile_ends, n_tiles, BLOCK_R, 1
-        )
+    g, m_tile, _, row0, row_end, block_base = locate_row_tile(
+        row_tile, offs, starts, ends, m_tiles, tile_ends, 1, BLOCK_R, 1
+    )
+    first = tl.program_id(1) * CHUNKS
+    # Programs past the last row tile run no iteration.
+    last = tl.where(row_tile < total, tl.minimum(first + CHUNKS, tl.cdiv(C, BLOCK_C)), first)
+    rows = row_end - row0
+    row_mask = offs_r < rows
+    # The tail slot (g == G) reads nothing and writes zeros: rows past the last group are 0.
+    load_mask = offs_r < tl.where(g < G, rows, 0)
+    x_base = x_ptr + row0 * stride_xr + offs_r[:, None] * stride_xr
+    if SCALING == 0:
+        # Scalar masks are refused by triton 3.9's interpreter: load in bounds, then select.
+        scale = _scale(tl.where(g < G, tl.load(amax_ptr + tl.minimum(g, G - 1)), 0.0), FP8_MAX)
+    if WRITE_T:
+        # Group g's rows go to its own columns of data_t (group-local for a weight, from a
+        # T_ALIGN-aligned offset for activations); rows past the last group have no columns there.
+        t_col0 = (m_tile * BLOCK_R).to(tl.int64)
+        if T_GROUP_LOCAL:
+            t_base = qt_ptr + g.to(tl.int64) * stride_tg
+        else:
+            t_base = qt_ptr
+            t_col0 += pick(t_units, offs, g) * T_ALIGN
+        t_base += (t_col0 + offs_r[None, :]) * stride_tr
+        # Through the group's 16-aligned end: the padding columns get zeros (x was loaded as 0
+        # past the group), which the wgrad kernel's 16-wide loads read.
+        # (g < G folds into the bound: triton 3.9's interpreter refuses a scalar and-ed into a mask.)
+        t_row_mask = offs_r < tl.where(g < G, tl.cdiv(rows, T_ALIGN) * T_ALIGN, 0)
+    for c in tl.range(0, last - first, num_stages=NUM_STAGES):
+        n_tile = first + c  # a tensor in both modes (the interpreter's loop variable is an int)
         col0 = (n_tile * BLOCK_C).to(tl.int64)
-        rows = row_end - row0
         col_mask = offs_c < C - col0
-        mask = (offs_r < rows)[:, None] & col_mask[None, :]
-        # The tail slot (g == G) reads nothing and writes zeros: rows past the last group are 0.
-        load_rows = tl.where(g < G, rows, 0)
         x = tl.load(
-            x_ptr
-            + row0 * stride_xr
-            + col0 * stride_xc
-            + offs_r[:, None] * stride_xr
-            + offs_c[None, :] * stride_xc,
-            mask=(offs_r < load_rows)[:, None] & col_mask[None, :],
+            x_base + (col0 + offs_c[None, :]) * stride_xc,
+            mask=load_mask[:, None] & col_mask[None, :],
             other=0.0,
         ).to(tl.float32)
         if SCALING == 0:
-            # Scalar masks are refused by triton 3.9's interpreter: load in bounds, then select.
-            scale = _scale(tl.where(g < G, tl.load(amax_ptr + tl.minimum(g, G - 1)), 0.0), FP8_MAX)
             q = _cast(x, scale, FP8_MAX, dtype, EMULATE_CAST)
         elif SCALING == 1:
             if WRITE_Q:
                 row_scale = _scale(tl.max(tl.abs(x), 1), FP8_MAX)  # [BLOCK_R]: 1x128 along C
                 q = _cast(x, row_scale[:, None], FP8_MAX, dtype, EMULATE_CAST)
                 s_ptrs = s_ptr + (row0 + offs_r) * stride_sr + n_tile.to(tl.int64) * stride_sc
-                tl.store(s_ptrs, row_scale, mask=offs_r < rows)
+                tl.store(s_ptrs, row_scale, mask=row_mask)
             else:
                 col_scale = _scale(tl.max(tl.abs(x), 0), FP8_MAX)  # [BLOCK_C]: 128x1 along R
                 q = _cast(x, col_scale[None, :], FP8_MAX, dtype, EMULATE_CAST)
@@ -222,38 +274,23 @@ def fp8_quantize_tiles_kernel(
                 )
                 tl.store(st_ptrs, col_scale, mask=offs_c < tl.where(g < G, C - col0, 0))
         else:
-            scale = _scale(tl.max(tl.max(tl.abs(x), 1), 0), FP8_MAX)  # one per 128x128 block
-            q = _cast(x, scale, FP8_MAX, dtype, EMULATE_CAST)
+            block_scale = _scale(tl.max(tl.max(tl.abs(x), 1), 0), FP8_MAX)  # one per 128x128 block
+            q = _cast(x, block_scale, FP8_MAX, dtype, EMULATE_CAST)
             s_off = (
                 g.to(tl.int64) * stride_sg + m_tile.to(tl.int64) * stride_sr + n_tile.to(tl.int64) * stride_sc
             )
             if WRITE_Q and g < G:
-                tl.store(s_ptr + s_off, scale)
+                tl.store(s_ptr + s_off, block_scale)
         if WRITE_Q:
-            q_ptrs = (
-                q_ptr
-                + row0 * stride_qr
-                + col0 * stride_qc
-                + offs_r[:, None] * stride_qr
-                + offs_c[None, :] * stride_qc
-            )
-            tl.store(q_ptrs, q, mask=mask)
+            q_ptrs = q_ptr + (row0 + offs_r[:, None]) * stride_qr + (col0 + offs_c[None, :]) * stride_qc
+            tl.store(q_ptrs, q, mask=row_mask[:, None] & col_mask[None, :])
         if WRITE_T:
-            # Group g's rows go to its own columns of data_t (group-local for a weight, from a
-            # T_ALIGN-aligned offset for activations); rows past the last group have no columns there.
-            t_col0 = (m_tile * BLOCK_R).to(tl.int64)
-            if T_GROUP_LOCAL:
-                t_base = qt_ptr + g.to(tl.int64) * stride_tg
-            else:
-                t_base = qt_ptr
-                t_col0 += pick(t_units, offs, g) * T_ALIGN
-            t_ptrs = t_base + (t_col0 + offs_r[None, :]) * stride_tr + (col0 + offs_c[:, None]) * stride_tc
-            # Through the group's 16-aligned end: the padding columns get zeros (x was loaded as 0
-            # past the group), which the wgrad kernel's 16-wide loads read.
-            # (g < G folds into the bound: triton 3.9's interpreter refuses a scalar and-ed into a mask.)
-            t_rows = tl.where(g < G, tl.cdiv(rows, T_ALIGN) * T_ALIGN, 0)
             qt = tl.trans(q.to(tl.uint8, bitcast=True))
-            tl.store(t_ptrs, qt, mask=col_mask[:, None] & (offs_r < t_rows)[None, :])
+            tl.store(
+                t_base + (col0 + offs_c[:, None]) * stride_tc,
+                qt,
+                mask=col_mask[:, None] & t_row_mask[None, :],
+            )
 
 
 @triton.jit
@@ -274,6 +311,7 @@ def fp8_quantize_rows_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HAS_SIZES: tl.constexpr,
+    NUM_STAGES: tl.constexpr,  # loads in flight per loop (cp.async pipelining)
     FP8_MAX: tl.constexpr,
     EMULATE_CAST: tl.constexpr,  # interpreter only
 ):
@@ -288,14 +326,14 @@ def fp8_quantize_rows_kernel(
     offs_c = tl.arange(0, BLOCK_C)
     x_base = x_ptr + rows[:, None] * stride_xr
     amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for c in range(0, C, BLOCK_C):
+    for c in tl.range(0, C, BLOCK_C, num_stages=NUM_STAGES):
         mask = load_mask[:, None] & (offs_c < C - c)[None, :]
         x = tl.load(x_base + (c + offs_c)[None, :] * stride_xc, mask=mask, other=0.0)
         amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), 1))
     scale = _scale(amax, FP8_MAX)
     tl.store(s_ptr + rows * stride_s, scale, mask=row_mask)
     q_base = q_ptr + rows[:, None] * stride_qr
-    for c in range(0, C, BLOCK_C):
+    for c in tl.range(0, C, BLOCK_C, num_stages=NUM_STAGES):
         col_mask = (offs_c < C - c)[None, :]
         x = tl.load(x_base + (c + offs_c)[None, :] * stride_xc, mask=load_mask[:, None] & col_mask, other=0.0)
         q = _cast(x.to(tl.float32), scale[:, None], FP8_MAX, q_ptr.dtype.element_ty, EMULATE_CAST)
@@ -323,6 +361,7 @@ def fp8_quantize_cols_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HAS_SIZES: tl.constexpr,
+    NUM_STAGES: tl.constexpr,  # loads in flight per loop (cp.async pipelining)
     T_GROUP_LOCAL: tl.constexpr,
     FP8_MAX: tl.constexpr,
     EMULATE_CAST: tl.constexpr,  # interpreter only
@@ -341,7 +380,7 @@ def fp8_quantize_cols_kernel(
     col_mask = offs_c < C - col0
     x_base = x_ptr + col0 * stride_xc + offs_c[None, :] * stride_xc
     amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for r in range(start, end, BLOCK_R):
+    for r in tl.range(start, end, BLOCK_R, num_stages=NUM_STAGES):
         mask = (offs_r < end - r)[:, None] & col_mask[None, :]
         x = tl.load(x_base + (r + offs_r)[:, None] * stride_xr, mask=mask, other=0.0)
         amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), 0))
@@ -358,7 +397,7 @@ def fp8_quantize_cols_kernel(
     t_base += (col0 + offs_c[:, None]) * stride_tc
     # Through the group's 16-aligned end, zeros past it (see fp8_quantize_tiles_kernel).
     t_end = start + tl.cdiv(end - start, T_ALIGN) * T_ALIGN
-    for r in range(start, t_end, BLOCK_R):
+    for r in tl.range(start, t_end, BLOCK_R, num_stages=NUM_STAGES):
         x = tl.load(
             x_base + (r + offs_r)[:, None] * stride_xr,
             mask=(offs_r < end - r)[:, None] & col_mask[None, :],

@@ -135,12 +135,12 @@ class DirectLaunch:
             key = (*spec, *ints, aligned, *[t.dtype for t in tensors])
             entry = self.bound.get(key)
             if entry is not None:
-                run, function, packed_metadata, grid_0, constexprs = entry
+                run, function, packed_metadata, (grid_0, grid_1, grid_2), constexprs = entry
                 with _device_guard(device):
                     run(
                         grid_0,
-                        1,
-                        1,
+                        grid_1,
+                        grid_2,
                         current_stream(device.index),
                         function,
                         packed_metadata,
@@ -164,7 +164,7 @@ class DirectLaunch:
                 compiled.run,
                 compiled.function,
                 compiled.packed_metadata,
-                launch.grid[0],
+                (*launch.grid, 1, 1)[:3],
                 constexprs,
             )
 

@@ -99,8 +99,8 @@ def _k_launch(M, N, K, G, recipe, dtype, device, max_stride, accumulate, fast_ac
 
 @functools.lru_cache(maxsize=64)
 def _quantize_config(device: torch.device) -> tuple[configs.QuantizeConfig, int]:
-    target, _, programs = _target(device)
-    return configs.pick_config("quantize_fp8", target), programs
+    target, _, sms = _target(device)
+    return configs.pick_config("quantize_fp8", target), sms
 
 
 def launch_m_grouped_fp8(x, sx, w, sw, group_sizes, out, bias, recipe: str, fast_accum: bool) -> None:
@@ -171,7 +171,7 @@ def launch_quantize_fp8(
     R, C = x.shape
     if R == 0 or C == 0 or G == 0:
         return
-    config, programs = _quantize_config(x.device)
+    config, sms = _quantize_config(x.device)
     fp8_max = fp8.FP8_MAX[_dtype_name(q.dtype)]
     has_sizes = group_sizes is not None
     sizes = group_sizes if has_sizes else s  # an unread pointer when the groups are uniform
@@ -189,6 +189,7 @@ def launch_quantize_fp8(
                     BLOCK_C=config.sweep_cols,
                     BLOCK_G=bg,
                     HAS_SIZES=has_sizes,
+                    NUM_STAGES=config.sweep_stages,
                     FP8_MAX=fp8_max,
                     EMULATE_CAST=INTERPRET,
                     num_warps=config.num_warps,
@@ -208,6 +209,7 @@ def launch_quantize_fp8(
                         BLOCK_C=config.col_block,
                         BLOCK_G=bg,
                         HAS_SIZES=has_sizes,
+                        NUM_STAGES=config.sweep_stages,
                         T_GROUP_LOCAL=qt.dim() == 3,
                         FP8_MAX=fp8_max,
                         EMULATE_CAST=INTERPRET,
@@ -217,31 +219,28 @@ def launch_quantize_fp8(
             )
         return
     if recipe == "blockwise":
-        block_r = block_c = fp8.SCALE_BLOCK
         scaling = qk.BLOCK_128X128 if s.dim() == 3 else qk.BLOCK_1X128
     else:
-        block_r, block_c, scaling = config.block_r, config.block_c, qk.TENSOR
+        scaling = qk.TENSOR
         amax = torch.zeros(G, dtype=torch.float32, device=x.device)
-        tiles = (triton.cdiv(R, block_r) + G + 1) * triton.cdiv(C, block_c)
-        n_prog = max(1, min(tiles, programs * config.ctas_per_sm))
+        block_r, block_c, chunks, grid = qk.tiles_geometry(R, C, G, scaling, True, config, sms)
         GROUP_AMAX.launch(
-            ("amax", x.device, R, C, G, has_sizes, block_r, block_c),
+            ("amax", x.device, R, C, G, has_sizes, block_r, block_c, chunks),
             (x, sizes, amax),
             (R, C, G, rows_per_group, *x.stride()),
             lambda: _Grid(
-                (n_prog,),
+                grid,
                 dict(
-                    NUM_PROGRAMS=n_prog,
                     BLOCK_R=block_r,
                     BLOCK_C=block_c,
+                    CHUNKS=chunks,
                     BLOCK_G=bg,
                     HAS_SIZES=has_sizes,
+                    NUM_STAGES=config.num_stages,
                     num_warps=config.num_warps,
                 ),
             ),
         )
-    tiles = (triton.cdiv(R, block_r) + G + 1) * triton.cdiv(C, block_c)
-    n_prog = max(1, min(tiles, programs * config.ctas_per_sm))
     write_t = qt is not None
     t_local = write_t and qt.dim() == 3
     if write_t:
@@ -257,30 +256,34 @@ def launch_quantize_fp8(
     else:
         s_strides, st_strides = s.stride(), (0, 0)
     max_stride = max(map(abs, (*x.stride(), *q.stride(), *t_strides)))
-    wide = 2 * max(block_r, block_c) * max_stride >= 2**31 or x.numel() >= 2**31
     # data/scale and the transposed copy come from separate launches (fp8_quantize_tiles_kernel says why).
     for write_q in (True, False) if write_t else (True,):
+        block_r, block_c, chunks, grid = qk.tiles_geometry(R, C, G, scaling, write_q, config, sms)
+        wide = 2 * max(block_r, block_c) * max_stride >= 2**31 or x.numel() >= 2**31
         QUANTIZE_TILES.launch(
-            ("tiles", x.device, R, C, G, has_sizes, scaling, write_q, t_local, fp8_max, wide, block_r),
+            ("tiles", x.device, R, C, G, has_sizes, scaling, write_q, t_local, fp8_max, wide),
             (x, sizes, amax if scaling == qk.TENSOR else s, q, s, qt8, st),
             (R, C, G, rows_per_group, *x.stride(), *q.stride(), *t_strides, *s_strides, *st_strides),
-            lambda write_q=write_q: _Grid(
-                (n_prog,),
-                dict(
-                    NUM_PROGRAMS=n_prog,
-                    BLOCK_R=block_r,
-                    BLOCK_C=block_c,
-                    BLOCK_G=bg,
-                    HAS_SIZES=has_sizes,
-                    SCALING=scaling,
-                    WRITE_Q=write_q,
-                    WRITE_T=not write_q,
-                    T_GROUP_LOCAL=t_local,
-                    FP8_MAX=fp8_max,
-                    EMULATE_CAST=INTERPRET,
-                    WIDE_OFFSETS=wide,
-                    num_warps=config.num_warps,
-                ),
+            lambda write_q=write_q, block_r=block_r, block_c=block_c, chunks=chunks, grid=grid, wide=wide: (
+                _Grid(
+                    grid,
+                    dict(
+                        BLOCK_R=block_r,
+                        BLOCK_C=block_c,
+                        CHUNKS=chunks,
+                        BLOCK_G=bg,
+                        HAS_SIZES=has_sizes,
+                        NUM_STAGES=config.num_stages,
+                        SCALING=scaling,
+                        WRITE_Q=write_q,
+                        WRITE_T=not write_q,
+                        T_GROUP_LOCAL=t_local,
+                        FP8_MAX=fp8_max,
+                        EMULATE_CAST=INTERPRET,
+                        WIDE_OFFSETS=wide,
+                        num_warps=config.num_warps,
+                    ),
+                )
             ),
         )
 

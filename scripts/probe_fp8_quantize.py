@@ -1,0 +1,95 @@
+"""GPU probe: the grouped FP8 quantize (with the transposed copy) under candidate QuantizeConfigs.
+
+For each suite case's activation x [M, K] (Dirichlet group sizes), every recipe and every candidate,
+times ``quantize_fp8(x, recipe, group_sizes=gs, transpose=True)`` (device time from a CUPTI trace, and
+the back-to-back CUDA-event median, after a check
+that data and scale equal the first candidate's bit for bit) and reports GB/s counted as the issue
+counts them: 2 bytes read + 2 written per element. Writes $OUT/quantize_probe.json.
+
+    python scripts/probe_fp8_quantize.py [case ...]
+"""
+
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+import triton
+
+from moegemm import configs, shapes
+from moegemm.bench import roofline, timing
+from moegemm.torch import _launch_fp8
+from moegemm.torch.fp8 import quantize_fp8
+
+Q = configs.QuantizeConfig
+CANDIDATES = [
+    Q(),
+    Q(q_chunks=1, t_chunks=1),
+    Q(q_chunks=1, t_chunks=4),
+    Q(q_chunks=2, t_chunks=8),
+    Q(q_chunks=8, t_chunks=32),
+    Q(q_rows=64, t_cols=64, q_chunks=2, t_chunks=4, num_warps=8),
+    Q(q_rows=64, t_cols=64, q_chunks=1, t_chunks=1, num_warps=8, num_stages=1),
+    Q(q_chunks=2, t_chunks=8, num_stages=2),
+    Q(sweep_rows=32, col_block=32, col_rows=128),
+    Q(sweep_rows=32, col_block=32, col_rows=128, sweep_stages=3),
+    Q(sweep_rows=8, col_block=32, col_rows=64),
+]
+
+
+def use(config: configs.QuantizeConfig) -> None:
+    configs.TABLE[("quantize_fp8", "sm90")] = [(config, "probe")]
+    _launch_fp8._quantize_config.cache_clear()
+    for launch in _launch_fp8.LAUNCHES:
+        launch.clear()
+
+
+def main(names: list[str]) -> None:
+    rows = []
+    for name in names:
+        case = shapes.get(name)
+        M, K, G = case.M, case.K, case.G
+        gs = torch.tensor(shapes.group_sizes(M, G, seed=0), dtype=torch.int32, device="cuda")
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        for recipe in ("tensorwise", "rowwise", "blockwise"):
+            first = None
+            for config in CANDIDATES:
+                use(config)
+                q = quantize_fp8(x, recipe, group_sizes=gs, transpose=True)
+                # data and scale are written whole (data_t's slack columns are not: check_fp8_quantize_bytes.py)
+                got = (q.data.view(torch.uint8), q.scale)
+                if first is None:
+                    first = got
+                same = all(torch.equal(a, b) for a, b in zip(got, first) if a is not None)
+                del q, got
+                fn = lambda x=x, recipe=recipe, gs=gs: quantize_fp8(x, recipe, group_sizes=gs, transpose=True)  # noqa: E731
+                wall_ms = triton.testing.do_bench(fn, warmup=25, rep=100)  # back to back: max(host, device)
+                ms = timing.device_ms(fn, x.device, calls=20)  # the kernels' own time (CUPTI)
+                gbps = 4 * M * K / ms / 1e6
+                pct = 100 * gbps * 1e9 / roofline.PEAK_BYTES_PER_S
+                rows.append(
+                    dict(
+                        case=name,
+                        recipe=recipe,
+                        config=dataclasses.asdict(config),
+                        ms=ms,
+                        wall_ms=wall_ms,
+                        GBps=gbps,
+                        pct_of_peak=pct,
+                        same_bytes=same,
+                    )  # fmt: skip
+                )
+                print(
+                    f"{name:20s} {recipe:10s} {ms:7.3f} ms {gbps:6.0f} GB/s {pct:4.0f}% same={same} {config}"
+                )
+            del first
+    with open(os.path.join(os.environ.get("OUT", "."), "quantize_probe.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(
+        sys.argv[1:]
+        or ["dsv3-ep8-fc1", "qwen3-30b-fc1", "mixtral-fc1", "finegrain-e256-fc2", "gptoss-120b-fc1"]
+    )
