@@ -146,7 +146,10 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
         (QuantizeConfig(32, 32, 8, 8, 4, 1, 8, 32, 32, 16, 1), "interpreter: small tiles")
     ],
     ("quantize_fp8", "sm90"): [
-        (QuantizeConfig(), "best of 11 on 5 suite cases x 3 recipes, H100 (perf-notes 18, quantize-probe JSON)")
+        (
+            QuantizeConfig(),
+            "best of 11 on 5 suite cases x 3 recipes, H100 (perf-notes 18, quantize-probe JSON)",
+        )
     ],
     ("quantize_fp8", "cuda"): [(QuantizeConfig(), "untuned")],
     ("m_grouped_fp8", "cuda"): [(M(64, 64, 64, 8, 4, 2), "untuned; FP8 tensor cores need sm89+")],

@@ -228,18 +228,7 @@ def launch_quantize_fp8(
             ("amax", x.device, R, C, G, has_sizes, block_r, block_c, chunks),
             (x, sizes, amax),
             (R, C, G, rows_per_group, *x.stride()),
-            lambda: _Grid(
-                grid,
-                dict(
-                    BLOCK_R=block_r,
-                    BLOCK_C=block_c,
-                    CHUNKS=chunks,
-                    BLOCK_G=bg,
-                    HAS_SIZES=has_sizes,
-                    NUM_STAGES=config.num_stages,
-                    num_warps=config.num_warps,
-                ),
-            ),
+            lambda: _Grid(grid, _tile_meta(block_r, block_c, chunks, bg, has_sizes, config)),
         )
     write_t = qt is not None
     t_local = write_t and qt.dim() == 3
@@ -268,12 +257,7 @@ def launch_quantize_fp8(
                 _Grid(
                     grid,
                     dict(
-                        BLOCK_R=block_r,
-                        BLOCK_C=block_c,
-                        CHUNKS=chunks,
-                        BLOCK_G=bg,
-                        HAS_SIZES=has_sizes,
-                        NUM_STAGES=config.num_stages,
+                        _tile_meta(block_r, block_c, chunks, bg, has_sizes, config),
                         SCALING=scaling,
                         WRITE_Q=write_q,
                         WRITE_T=not write_q,
@@ -281,11 +265,23 @@ def launch_quantize_fp8(
                         FP8_MAX=fp8_max,
                         EMULATE_CAST=INTERPRET,
                         WIDE_OFFSETS=wide,
-                        num_warps=config.num_warps,
                     ),
                 )
             ),
         )
+
+
+def _tile_meta(block_r: int, block_c: int, chunks: int, block_g: int, has_sizes: bool, config) -> dict:
+    """The meta-parameters the amax and tile kernels share (``qk.tiles_geometry`` gives the first three)."""
+    return dict(
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        CHUNKS=chunks,
+        BLOCK_G=block_g,
+        HAS_SIZES=has_sizes,
+        NUM_STAGES=config.num_stages,
+        num_warps=config.num_warps,
+    )
 
 
 class _Grid:
