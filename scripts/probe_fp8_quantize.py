@@ -25,16 +25,12 @@ from moegemm.torch.fp8 import quantize_fp8
 Q = configs.QuantizeConfig
 CANDIDATES = [
     Q(),
-    Q(q_chunks=1, t_chunks=1),
-    Q(q_chunks=1, t_chunks=4),
-    Q(q_chunks=2, t_chunks=8),
-    Q(q_chunks=8, t_chunks=32),
-    Q(q_rows=64, t_cols=64, q_chunks=2, t_chunks=4, num_warps=8),
-    Q(q_rows=64, t_cols=64, q_chunks=1, t_chunks=1, num_warps=8, num_stages=1),
-    Q(q_chunks=2, t_chunks=8, num_stages=2),
-    Q(sweep_rows=32, col_block=32, col_rows=128),
-    Q(sweep_rows=32, col_block=32, col_rows=128, sweep_stages=3),
-    Q(sweep_rows=8, col_block=32, col_rows=64),
+    Q(t_cols=64, t_chunks=8),
+    Q(t_cols=64, t_chunks=8, num_warps=8),
+    Q(t_cols=16, t_chunks=32),
+    Q(t_chunks=8),
+    Q(t_cols=128, t_chunks=4, num_warps=8),
+    Q(t_cols=64, t_chunks=4, num_stages=4),
 ]
 
 
