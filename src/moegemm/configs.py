@@ -56,7 +56,7 @@ class QuantizeConfig:
     q_rows: int = 32
     t_cols: int = 32
     q_chunks: int = 4
-    t_chunks: int = 16
+    t_chunks: int = 8
     num_warps: int = 4
     num_stages: int = 3
     sweep_rows: int = 8
@@ -148,7 +148,7 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
     ("quantize_fp8", "sm90"): [
         (
             QuantizeConfig(),
-            "best of 11 on 5 suite cases x 3 recipes, H100 (perf-notes 18, quantize-probe JSON)",
+            "best of 11 + 7 on 5 suite cases x 3 recipes, H100 (perf-notes 18, fp8-quantize-probe*.json)",
         )
     ],
     ("quantize_fp8", "cuda"): [(QuantizeConfig(), "untuned")],
