@@ -25,12 +25,11 @@ from moegemm.torch.fp8 import quantize_fp8
 Q = configs.QuantizeConfig
 CANDIDATES = [
     Q(),
-    Q(t_cols=64, t_chunks=8),
-    Q(t_cols=64, t_chunks=8, num_warps=8),
-    Q(t_cols=16, t_chunks=32),
-    Q(t_chunks=8),
-    Q(t_cols=128, t_chunks=4, num_warps=8),
-    Q(t_cols=64, t_chunks=4, num_stages=4),
+    Q(t_warps=2),
+    Q(t_warps=8),
+    Q(t_cols=16, t_chunks=16, t_warps=2),
+    Q(t_cols=64, t_chunks=4, t_warps=8),
+    Q(t_cols=64, t_chunks=4, t_warps=2),
 ]
 
 

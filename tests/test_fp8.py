@@ -279,8 +279,9 @@ def test_quantize_tiles_geometry_covers_every_tile(R, C, G, write_q):
     from moegemm.kernels import quantize_fp8 as qk
 
     config, sms = configs.QuantizeConfig(), 132
-    block_r, block_c, chunks, grid = qk.tiles_geometry(R, C, G, qk.BLOCK_1X128, write_q, config, sms)
-    assert (block_r, block_c) == ((config.q_rows, 128) if write_q else (128, config.t_cols))
+    block_r, block_c, chunks, warps, grid = qk.tiles_geometry(R, C, G, qk.BLOCK_1X128, write_q, config, sms)
+    expected = (config.q_rows, 128, config.num_warps) if write_q else (128, config.t_cols, config.t_warps)
+    assert (block_r, block_c, warps) == expected
     rng = np.random.default_rng(R + G)
     for _ in range(50):
         sizes = rng.multinomial(int(rng.integers(0, R + 1)), rng.dirichlet(np.ones(G) * 0.3))

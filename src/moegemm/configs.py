@@ -59,6 +59,7 @@ class QuantizeConfig:
     t_chunks: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    t_warps: int = 4  # the transposed-copy launch's
     sweep_rows: int = 8
     sweep_cols: int = 512
     col_block: int = 32
@@ -143,7 +144,7 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
         (K(128, 128, 64, 8, 4, 4, 2), "~128 tokens/expert: half-block steps, deeper pipeline"),
     ],
     ("quantize_fp8", "interpret"): [
-        (QuantizeConfig(32, 32, 8, 8, 4, 1, 8, 32, 32, 16, 1), "interpreter: small tiles")
+        (QuantizeConfig(32, 32, 8, 8, 4, 1, 4, 8, 32, 32, 16, 1), "interpreter: small tiles")
     ],
     ("quantize_fp8", "sm90"): [
         (

@@ -53,7 +53,9 @@ def group_amax_call(
     groups of rows_per_group rows); the output starts zeroed (the kernel takes atomic maxima)."""
     R, C = x.shape
     config = _quantize_config(target)
-    block_r, block_c, chunks, grid = qk.tiles_geometry(R, C, G, qk.TENSOR, True, config, target.programs)
+    block_r, block_c, chunks, warps, grid = qk.tiles_geometry(
+        R, C, G, qk.TENSOR, True, config, target.programs
+    )
     meta = dict(
         R=R,
         C=C,
@@ -67,7 +69,7 @@ def group_amax_call(
         BLOCK_G=_block_g(G),
         HAS_SIZES=group_sizes is not None,
         NUM_STAGES=config.num_stages,
-        num_warps=config.num_warps,
+        num_warps=warps,
     )
     args = (x, _sizes_arg(group_sizes, x))
     return KernelCall(qk.fp8_group_amax_kernel, grid, args, _sds((G,), jnp.float32), meta, {}, (0,))
@@ -100,7 +102,9 @@ def quantize_tiles_call(
     """
     R, C = x.shape
     config = _quantize_config(target)
-    block_r, block_c, chunks, grid = qk.tiles_geometry(R, C, G, scaling, write_q, config, target.programs)
+    block_r, block_c, chunks, warps, grid = qk.tiles_geometry(
+        R, C, G, scaling, write_q, config, target.programs
+    )
     kb = fp8.cdiv(C, fp8.SCALE_BLOCK)
     N = rows_per_group
     if scaling == qk.TENSOR:
@@ -166,7 +170,7 @@ def quantize_tiles_call(
         FP8_MAX=fp8_max(dtype),
         EMULATE_CAST=target.name == "interpret",
         WIDE_OFFSETS=2 * max(block_r, block_c) * max_stride >= 2**31 or R * C >= 2**31,
-        num_warps=config.num_warps,
+        num_warps=warps,
     )
     return KernelCall(qk.fp8_quantize_tiles_kernel, grid, args, outs, meta, {})
 

@@ -43,8 +43,8 @@ TENSOR, BLOCK_1X128, BLOCK_128X128 = 0, 1, 2
 
 def tiles_geometry(
     R: int, C: int, G: int, scaling: int, write_q: bool, config, sms: int
-) -> tuple[int, int, int, tuple[int, int]]:
-    """(BLOCK_R, BLOCK_C, CHUNKS, grid) of a fp8_quantize_tiles_kernel (or, with write_q and TENSOR,
+) -> tuple[int, int, int, int, tuple[int, int]]:
+    """(BLOCK_R, BLOCK_C, CHUNKS, num_warps, grid) of a fp8_quantize_tiles_kernel (or, with write_q and TENSOR,
     fp8_group_amax_kernel) launch over x [R, C] in G groups, for a ``configs.QuantizeConfig``.
 
     A data tile is q_rows x 128 (its rows' 1x128 scales), a transposed-copy tile 128 x t_cols (its
@@ -55,15 +55,15 @@ def tiles_geometry(
     most one partial tile, plus the tail slot's); the programs past the last one exit.
     """
     if scaling == BLOCK_128X128:
-        block_r, block_c, chunks = SCALE_BLOCK, SCALE_BLOCK, config.q_chunks
+        block_r, block_c, chunks, warps = SCALE_BLOCK, SCALE_BLOCK, config.q_chunks, config.num_warps
     elif write_q:
-        block_r, block_c, chunks = config.q_rows, SCALE_BLOCK, config.q_chunks
+        block_r, block_c, chunks, warps = config.q_rows, SCALE_BLOCK, config.q_chunks, config.num_warps
     else:
-        block_r, block_c, chunks = SCALE_BLOCK, config.t_cols, config.t_chunks
+        block_r, block_c, chunks, warps = SCALE_BLOCK, config.t_cols, config.t_chunks, config.t_warps
     row_tiles, col_tiles = triton.cdiv(R, block_r) + G + 1, triton.cdiv(C, block_c)
     while chunks > 1 and row_tiles * triton.cdiv(col_tiles, chunks) < 16 * sms:
         chunks //= 2
-    return block_r, block_c, chunks, (row_tiles, triton.cdiv(col_tiles, chunks))
+    return block_r, block_c, chunks, warps, (row_tiles, triton.cdiv(col_tiles, chunks))
 
 
 @triton.jit

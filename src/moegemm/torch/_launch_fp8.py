@@ -223,12 +223,12 @@ def launch_quantize_fp8(
     else:
         scaling = qk.TENSOR
         amax = torch.zeros(G, dtype=torch.float32, device=x.device)
-        block_r, block_c, chunks, grid = qk.tiles_geometry(R, C, G, scaling, True, config, sms)
+        block_r, block_c, chunks, warps, grid = qk.tiles_geometry(R, C, G, scaling, True, config, sms)
         GROUP_AMAX.launch(
-            ("amax", x.device, R, C, G, has_sizes, block_r, block_c, chunks),
+            ("amax", x.device, R, C, G, has_sizes, block_r, block_c, chunks, warps),
             (x, sizes, amax),
             (R, C, G, rows_per_group, *x.stride()),
-            lambda: _Grid(grid, _tile_meta(block_r, block_c, chunks, bg, has_sizes, config)),
+            lambda: _Grid(grid, _tile_meta(block_r, block_c, chunks, warps, bg, has_sizes, config)),
         )
     write_t = qt is not None
     t_local = write_t and qt.dim() == 3
@@ -247,17 +247,17 @@ def launch_quantize_fp8(
     max_stride = max(map(abs, (*x.stride(), *q.stride(), *t_strides)))
     # data/scale and the transposed copy come from separate launches (fp8_quantize_tiles_kernel says why).
     for write_q in (True, False) if write_t else (True,):
-        block_r, block_c, chunks, grid = qk.tiles_geometry(R, C, G, scaling, write_q, config, sms)
+        block_r, block_c, chunks, warps, grid = qk.tiles_geometry(R, C, G, scaling, write_q, config, sms)
         wide = 2 * max(block_r, block_c) * max_stride >= 2**31 or x.numel() >= 2**31
         QUANTIZE_TILES.launch(
             ("tiles", x.device, R, C, G, has_sizes, scaling, write_q, t_local, fp8_max, wide),
             (x, sizes, amax if scaling == qk.TENSOR else s, q, s, qt8, st),
             (R, C, G, rows_per_group, *x.stride(), *q.stride(), *t_strides, *s_strides, *st_strides),
-            lambda write_q=write_q, block_r=block_r, block_c=block_c, chunks=chunks, grid=grid, wide=wide: (
+            lambda write_q=write_q, block_r=block_r, block_c=block_c, chunks=chunks, warps=warps, grid=grid, wide=wide: (
                 _Grid(
                     grid,
                     dict(
-                        _tile_meta(block_r, block_c, chunks, bg, has_sizes, config),
+                        _tile_meta(block_r, block_c, chunks, warps, bg, has_sizes, config),
                         SCALING=scaling,
                         WRITE_Q=write_q,
                         WRITE_T=not write_q,
@@ -271,7 +271,9 @@ def launch_quantize_fp8(
         )
 
 
-def _tile_meta(block_r: int, block_c: int, chunks: int, block_g: int, has_sizes: bool, config) -> dict:
+def _tile_meta(
+    block_r: int, block_c: int, chunks: int, warps: int, block_g: int, has_sizes: bool, config
+) -> dict:
     """The meta-parameters the amax and tile kernels share (``qk.tiles_geometry`` gives the first three)."""
     return dict(
         BLOCK_R=block_r,
@@ -280,7 +282,7 @@ def _tile_meta(block_r: int, block_c: int, chunks: int, block_g: int, has_sizes:
         BLOCK_G=block_g,
         HAS_SIZES=has_sizes,
         NUM_STAGES=config.num_stages,
-        num_warps=config.num_warps,
+        num_warps=warps,
     )
 
 
