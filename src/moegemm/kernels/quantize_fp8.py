@@ -6,10 +6,10 @@ The input is a matrix x [R, C] whose rows form groups: activations [M, K] split 
 
 Kernels (each reads x once, except where a scale needs the whole row or group before the first cast):
 
-- ``fp8_quantize_tiles_kernel``: blockwise. Group-aligned [BLOCK_R, BLOCK_C] tiles give the 1x128
-  row scales and data (one launch), and the 128x1 column scales and data_t of the transposed copy
-  (a second launch over the same tiles: one kernel storing both miscompiles, see the kernel), or
-  the 128x128 block scale (weights).
+- ``fp8_quantize_tiles_kernel``: blockwise. Group-aligned row tiles give the 1x128 row scales and
+  data (one launch, q_rows x 128 tiles), and the 128x1 column scales and data_t of the transposed copy
+  (a second launch, 128 x t_cols tiles: one kernel storing both miscompiles, see the kernel), or the
+  128x128 block scale (weights). ``tiles_geometry`` gives each launch's tiles and grid.
   Also the cast pass of tensorwise, whose per-group amax ``fp8_group_amax_kernel`` computed first:
   current scaling needs the amax of the whole group before the first element is cast.
 - ``fp8_quantize_rows_kernel``: rowwise, one scale per row, in two sweeps over each row (amax,
