@@ -6,9 +6,14 @@ the back-to-back CUDA-event median, after a check
 that data and scale equal the first candidate's bit for bit) and reports GB/s counted as the issue
 counts them: 2 bytes read + 2 written per element. Writes $OUT/quantize_probe.json.
 
-    python scripts/probe_fp8_quantize.py [case ...]
+With ``--kernels``: where the default config's device time goes, kernel by kernel (20 calls under
+torch.profiler; each kernel's mean time per call and the bandwidth of the bytes it must move).
+Writes $OUT/quantize_kernels.json.
+
+    python scripts/probe_fp8_quantize.py [--kernels] [case ...]
 """
 
+import collections
 import dataclasses
 import json
 import os
@@ -16,6 +21,7 @@ import sys
 
 import torch
 import triton
+from torch.profiler import ProfilerActivity, profile
 
 from moegemm import configs, shapes
 from moegemm.bench import roofline, timing
@@ -40,14 +46,23 @@ def use(config: configs.QuantizeConfig) -> None:
         launch.clear()
 
 
-def main(names: list[str]) -> None:
-    rows = []
+RECIPES = ("tensorwise", "rowwise", "blockwise")
+CALLS = 20  # per CUPTI trace
+
+
+def _activations(names: list[str]):
+    """(case name, x [M, K] bf16, group_sizes [G] with Dirichlet-skewed sizes) on the GPU, per case."""
     for name in names:
         case = shapes.get(name)
-        M, K, G = case.M, case.K, case.G
-        gs = torch.tensor(shapes.group_sizes(M, G, seed=0), dtype=torch.int32, device="cuda")
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        for recipe in ("tensorwise", "rowwise", "blockwise"):
+        gs = torch.tensor(shapes.group_sizes(case.M, case.G, seed=0), dtype=torch.int32, device="cuda")
+        yield name, torch.randn(case.M, case.K, device="cuda", dtype=torch.bfloat16), gs
+
+
+def main(names: list[str]) -> None:
+    rows = []
+    for name, x, gs in _activations(names):
+        M, K = x.shape
+        for recipe in RECIPES:
             first = None
             for config in CANDIDATES:
                 use(config)
@@ -60,7 +75,7 @@ def main(names: list[str]) -> None:
                 del q, got
                 fn = lambda x=x, recipe=recipe, gs=gs: quantize_fp8(x, recipe, group_sizes=gs, transpose=True)  # noqa: E731
                 wall_ms = triton.testing.do_bench(fn, warmup=25, rep=100)  # back to back: max(host, device)
-                ms = timing.device_ms(fn, x.device, calls=20)  # the kernels' own time (CUPTI)
+                ms = timing.device_ms(fn, x.device, calls=CALLS)  # the kernels' own time (CUPTI)
                 gbps = 4 * M * K / ms / 1e6
                 pct = 100 * gbps * 1e9 / roofline.PEAK_BYTES_PER_S
                 rows.append(
@@ -83,8 +98,43 @@ def main(names: list[str]) -> None:
         json.dump(rows, f, indent=1)
 
 
+def per_kernel(names: list[str]) -> None:
+    rows = []
+    for name, x, gs in _activations(names):
+        M, K = x.shape
+        for recipe in RECIPES:
+            quantize_fp8(x, recipe, group_sizes=gs, transpose=True)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(CALLS):
+                    quantize_fp8(x, recipe, group_sizes=gs, transpose=True)
+                torch.cuda.synchronize()
+            events = sorted(
+                (
+                    e
+                    for e in prof.profiler.kineto_results.events()
+                    if e.device_type() == timing.DEVICE_TYPE_CUDA
+                ),
+                key=lambda e: e.start_ns(),
+            )
+            per_call = len(events) // CALLS  # the launches of one call, in order (the tile kernel runs twice)
+            times = collections.defaultdict(float)
+            for i, e in enumerate(events[: per_call * CALLS]):
+                times[f"{i % per_call}:{e.name()[:48]}"] += e.duration_ns() / CALLS / 1e6
+            for kernel, ms in times.items():
+                # amax: reads x; a data or transposed-copy launch reads x (2 B) and writes 1 B per element.
+                nbytes = 2 * M * K if "amax" in kernel else 3 * M * K
+                rows.append(dict(case=name, recipe=recipe, kernel=kernel, ms=ms, GBps=nbytes / ms / 1e6))
+                print(f"{name:16s} {recipe:10s} {kernel:52s} {ms:7.3f} ms {nbytes / ms / 1e6:6.0f} GB/s")
+    with open(os.path.join(os.environ.get("OUT", "."), "quantize_kernels.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
 if __name__ == "__main__":
-    main(
-        sys.argv[1:]
-        or ["dsv3-ep8-fc1", "qwen3-30b-fc1", "mixtral-fc1", "finegrain-e256-fc2", "gptoss-120b-fc1"]
-    )
+    args = sys.argv[1:]
+    if args[:1] == ["--kernels"]:
+        per_kernel(args[1:] or ["dsv3-ep8-fc1", "qwen3-30b-fc1"])
+    else:
+        main(
+            args or ["dsv3-ep8-fc1", "qwen3-30b-fc1", "mixtral-fc1", "finegrain-e256-fc2", "gptoss-120b-fc1"]
+        )

@@ -223,12 +223,11 @@ def launch_quantize_fp8(
     else:
         scaling = qk.TENSOR
         amax = torch.zeros(G, dtype=torch.float32, device=x.device)
-        block_r, block_c, chunks, warps, grid = qk.tiles_geometry(R, C, G, scaling, True, config, sms)
         GROUP_AMAX.launch(
-            ("amax", x.device, R, C, G, has_sizes, block_r, block_c, chunks, warps),
+            ("amax", x.device, R, C, G, has_sizes),
             (x, sizes, amax),
             (R, C, G, rows_per_group, *x.stride()),
-            lambda: _Grid(grid, _tile_meta(block_r, block_c, chunks, warps, bg, has_sizes, config)),
+            lambda: _tiles_grid(R, C, G, scaling, True, bg, has_sizes, config, sms),
         )
     write_t = qt is not None
     t_local = write_t and qt.dim() == 3
@@ -247,42 +246,50 @@ def launch_quantize_fp8(
     max_stride = max(map(abs, (*x.stride(), *q.stride(), *t_strides)))
     # data/scale and the transposed copy come from separate launches (fp8_quantize_tiles_kernel says why).
     for write_q in (True, False) if write_t else (True,):
-        block_r, block_c, chunks, warps, grid = qk.tiles_geometry(R, C, G, scaling, write_q, config, sms)
-        wide = 2 * max(block_r, block_c) * max_stride >= 2**31 or x.numel() >= 2**31
+        # The launch's widest tile side is 128 (the scale block) or the config's other side.
+        tile = max(fp8.SCALE_BLOCK, config.q_rows if write_q else config.t_cols)
+        wide = 2 * tile * max_stride >= 2**31 or x.numel() >= 2**31
         QUANTIZE_TILES.launch(
             ("tiles", x.device, R, C, G, has_sizes, scaling, write_q, t_local, fp8_max, wide),
             (x, sizes, amax if scaling == qk.TENSOR else s, q, s, qt8, st),
             (R, C, G, rows_per_group, *x.stride(), *q.stride(), *t_strides, *s_strides, *st_strides),
-            lambda write_q=write_q, block_r=block_r, block_c=block_c, chunks=chunks, warps=warps, grid=grid, wide=wide: (
-                _Grid(
-                    grid,
-                    dict(
-                        _tile_meta(block_r, block_c, chunks, warps, bg, has_sizes, config),
-                        SCALING=scaling,
-                        WRITE_Q=write_q,
-                        WRITE_T=not write_q,
-                        T_GROUP_LOCAL=t_local,
-                        FP8_MAX=fp8_max,
-                        EMULATE_CAST=INTERPRET,
-                        WIDE_OFFSETS=wide,
-                    ),
-                )
+            lambda write_q=write_q, wide=wide: _tiles_grid(
+                R,
+                C,
+                G,
+                scaling,
+                write_q,
+                bg,
+                has_sizes,
+                config,
+                sms,
+                SCALING=scaling,
+                WRITE_Q=write_q,
+                WRITE_T=not write_q,
+                T_GROUP_LOCAL=t_local,
+                FP8_MAX=fp8_max,
+                EMULATE_CAST=INTERPRET,
+                WIDE_OFFSETS=wide,
             ),
         )
 
 
-def _tile_meta(
-    block_r: int, block_c: int, chunks: int, warps: int, block_g: int, has_sizes: bool, config
-) -> dict:
-    """The meta-parameters the amax and tile kernels share (``qk.tiles_geometry`` gives the first three)."""
-    return dict(
-        BLOCK_R=block_r,
-        BLOCK_C=block_c,
-        CHUNKS=chunks,
-        BLOCK_G=block_g,
-        HAS_SIZES=has_sizes,
-        NUM_STAGES=config.num_stages,
-        num_warps=warps,
+def _tiles_grid(R, C, G, scaling, write_q, block_g, has_sizes, config, sms, **meta) -> _Grid:
+    """The launch description of the amax or a tile kernel: ``qk.tiles_geometry`` and the shared
+    meta-parameters, plus the tile kernel's own (``meta``). Built on a miss only (DirectLaunch)."""
+    block_r, block_c, chunks, warps, grid = qk.tiles_geometry(R, C, G, scaling, write_q, config, sms)
+    return _Grid(
+        grid,
+        dict(
+            BLOCK_R=block_r,
+            BLOCK_C=block_c,
+            CHUNKS=chunks,
+            BLOCK_G=block_g,
+            HAS_SIZES=has_sizes,
+            NUM_STAGES=config.num_stages,
+            num_warps=warps,
+            **meta,
+        ),
     )
 
 
