@@ -49,9 +49,11 @@ class QuantizeConfig:
     """FP8 quantize launches. Tile kernels (``quantize_fp8.tiles_geometry``): a data tile is q_rows x
     128 (one 1x128 scale block wide), a transposed-copy tile 128 x t_cols (one group-aligned 128x1 block
     tall), a weight's 128x128 block is its own tile; a program takes up to q_chunks (t_chunks) column
-    tiles of one row tile, fewer where that leaves under 16 programs per SM; num_stages loads in flight.
+    tiles of one row tile, fewer where that leaves under 16 programs per SM; num_stages is the
+    column loop's tl.range stages.
     Rowwise sweeps: rows per program and columns per step (data); columns per program and rows per
-    step (transposed copy); sweep_stages loads in flight."""
+    step (transposed copy); sweep_stages the same for the sweeps. Triton 3.6 gives these loads no
+    shared-memory stages (they feed no dot; perf-notes 19): loads in flight come from programs per SM."""
 
     q_rows: int = 32
     t_cols: int = 32

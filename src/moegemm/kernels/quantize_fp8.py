@@ -129,7 +129,7 @@ def fp8_group_amax_kernel(
     CHUNKS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HAS_SIZES: tl.constexpr,
-    NUM_STAGES: tl.constexpr,  # loads in flight per loop (cp.async pipelining)
+    NUM_STAGES: tl.constexpr,  # tl.range num_stages; triton 3.6 does not pipeline these loads (perf-notes 19)
 ):
     # Program (row tile, column segment), as fp8_quantize_tiles_kernel; one atomic per program.
     row_tile = tl.program_id(0)
@@ -186,7 +186,7 @@ def fp8_quantize_tiles_kernel(
     CHUNKS: tl.constexpr,  # BLOCK_C-wide column tiles per program
     BLOCK_G: tl.constexpr,
     HAS_SIZES: tl.constexpr,
-    NUM_STAGES: tl.constexpr,  # loads in flight per loop (cp.async pipelining)
+    NUM_STAGES: tl.constexpr,  # tl.range num_stages; triton 3.6 does not pipeline these loads (perf-notes 19)
     SCALING: tl.constexpr,
     WRITE_Q: tl.constexpr,  # data and scale
     WRITE_T: tl.constexpr,  # data_t and scale_t; never both in one launch (see below)
@@ -311,7 +311,7 @@ def fp8_quantize_rows_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HAS_SIZES: tl.constexpr,
-    NUM_STAGES: tl.constexpr,  # loads in flight per loop (cp.async pipelining)
+    NUM_STAGES: tl.constexpr,  # tl.range num_stages; triton 3.6 does not pipeline these loads (perf-notes 19)
     FP8_MAX: tl.constexpr,
     EMULATE_CAST: tl.constexpr,  # interpreter only
 ):
@@ -361,7 +361,7 @@ def fp8_quantize_cols_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HAS_SIZES: tl.constexpr,
-    NUM_STAGES: tl.constexpr,  # loads in flight per loop (cp.async pipelining)
+    NUM_STAGES: tl.constexpr,  # tl.range num_stages; triton 3.6 does not pipeline these loads (perf-notes 19)
     T_GROUP_LOCAL: tl.constexpr,
     FP8_MAX: tl.constexpr,
     EMULATE_CAST: tl.constexpr,  # interpreter only
