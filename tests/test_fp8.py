@@ -302,6 +302,70 @@ class TestGemm(GemmTest):
         self.BACKEND = backend
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n", [128, 256])
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize(
+    "M,K,N,sizes",
+    [
+        (300, 256, 384, [100, 0, 150, 20]),
+        (257, 2880, 200, list(shapes.group_sizes(250, 6, seed=5, empty=2))),
+        (640, 512, 264, [0, 0, 640, 0]),
+        (64, 128, 128, [0, 0, 0]),
+        (129, 48, 33, [64, 1, 64]),
+    ],
+    ids=["skew-empty-tail", "k2880-dirichlet", "one-hot", "all-empty", "odd-dims"],
+)
+def test_m_grouped_fp8_warp_specialized(recipe, block_n, M, K, N, sizes, monkeypatch):
+    """The warp-specialized Gluon kernel (promoted mode on sm90), each tile width: fprop with bias (fp32
+    out) and dgrad (bf16 out) against the fp64 oracle, rows past the groups exactly 0; a spy makes
+    sure it is that kernel that ran."""
+    from moegemm import configs
+    from moegemm.torch import _launch_fp8
+
+    if not _launch_fp8._ws_device(torch.device(DEVICE)):
+        pytest.skip("the warp-specialized kernel needs Gluon and an sm90 GPU")
+    wide = configs.MGroupedFp8WsConfig(block_n, 4 if block_n == 256 else 6)
+    monkeypatch.setattr(_launch_fp8.configs, "pick_fp8_ws_config", lambda **_: wide)
+    _launch_fp8.clear_launch_cache()
+    calls = []
+    launch = _launch_fp8.M_GROUPED_FP8_WS.launch
+    monkeypatch.setattr(_launch_fp8.M_GROUPED_FP8_WS, "launch", lambda *a: (calls.append(a[0]), launch(*a)))
+    try:
+        gs, x_q, w_q, dy_q = GemmTest().operands(recipe, M, K, N, sizes, seed=block_n)
+        b = (torch.randn(len(sizes), N) + 3).to(DEVICE)
+        out = m_grouped_mm_fp8(x_q, w_q, gs, bias=b, out_dtype=torch.float32)
+        xd, wd, dyd = (t.dequantize(torch.float64).cpu() for t in (x_q, w_q, dy_q))
+        want = oracle.m_grouped_mm(xd, wd.mT, sizes, b.double().cpu())
+        assert relerr(out.cpu(), torch.from_numpy(want)) <= GEMM_TOL, f"fprop {recipe} {sizes}"
+        owned = sum(sizes)
+        assert (out[owned:] == 0).all(), "rows past the last group must be 0"
+        dx = m_grouped_mm_fp8(dy_q, w_q.t(), gs, out_dtype=torch.bfloat16)
+        want = oracle.m_grouped_mm(dyd, w_q.t().dequantize(torch.float64).cpu().mT, sizes)
+        assert relerr(dx.float().cpu(), torch.from_numpy(want)) <= 4e-3, f"dgrad {recipe} {sizes}"  # bf16 out
+        assert not torch.isnan(dx).any() and (dx[owned:] == 0).all()
+    finally:
+        _launch_fp8.clear_launch_cache()
+    # It takes contractions in 16-byte chunks: fprop's K, dgrad's N (the Triton kernel runs the rest).
+    assert len(calls) == (K % 16 == 0) + (N % 16 == 0), "the warp-specialized kernel ran where it applies"
+
+
+@pytest.mark.parametrize("case", shapes.SUITE, ids=[c.name for c in shapes.SUITE])
+def test_m_grouped_fp8_warp_specialized_takes_the_suite(case):
+    """Every suite shape's fprop and dgrad qualify for the warp-specialized kernel (a stride bound once
+    counted the weight's group stride and silently sent every large problem to the Triton kernel), and
+    blockwise always gets a config."""
+    from moegemm import configs
+    from moegemm.kernels import m_grouped_fp8_ws as ws
+
+    if not ws.supported():
+        pytest.skip("this Triton has no Gluon Hopper API")
+    for K, N in ((case.K, case.N), (case.N, case.K)):  # fprop, dgrad
+        assert ws.supported_problem(K, False, fp8.padded(max(K, N))), (case.name, K)
+        config = configs.pick_fp8_ws_config(recipe="blockwise", G=case.G, N=N, K=K, M=case.M)
+        assert config is not None and config.block_n in (128, 256)
+
+
 # ---------------------------------------------------------------- GroupedLinear(fp8_recipe=...)
 
 SIZES = [20, 0, 25]

@@ -45,6 +45,19 @@ class KGroupedConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MGroupedFp8WsConfig:
+    """The warp-specialized FP8 m-grouped kernel (``kernels/m_grouped_fp8_ws.py``, promoted mode, sm90):
+    a 128 x block_n tile (two consumer warpgroups of 64 rows; 256 runs as two 128-column halves),
+    num_stages ring slots of 128-wide K steps, consumer_regs registers per consumer thread
+    (setmaxnreg; the loader warpgroup gets the rest of 168 x 12 warps)."""
+
+    block_n: int = 256
+    num_stages: int = 4
+    group_m: int = 8
+    consumer_regs: int = 216
+
+
+@dataclasses.dataclass(frozen=True)
 class QuantizeConfig:
     """FP8 quantize launches. Tile kernels (``quantize_fp8.tiles_geometry``): a data tile is q_rows x
     128 (one 1x128 scale block wide), a transposed-copy tile 128 x t_cols (one group-aligned 128x1 block
@@ -145,6 +158,13 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
         (K(128, 256, 128, 8, 8, 3), "wide N"),
         (K(128, 128, 64, 8, 4, 4, 2), "~128 tokens/expert: half-block steps, deeper pipeline"),
     ],
+    # Measured on the H100 (docs/perf-notes.md 20, fp8-ws-probe-*.json), promoted fwd, TF/s 256 vs 128:
+    # dsv3-ep8-fc1 blockwise 899 vs 750, mixtral-fc1 756 vs 683, gptoss-120b-fc1 447 vs 415, but
+    # qwen3-30b-fc1 (K 2048) 385 vs 410. pick_fp8_ws_config takes the 128-wide tile below K = 2560.
+    ("m_grouped_fp8_ws", "sm90"): [
+        (MGroupedFp8WsConfig(256, 4), "long K: 128 x 256 halves the L2 bytes per FLOP of 128 x 128"),
+        (MGroupedFp8WsConfig(128, 6), "short K (<= 2048): less epilogue per tile, deeper ring"),
+    ],
     ("quantize_fp8", "interpret"): [
         (QuantizeConfig(32, 32, 8, 8, 4, 1, 4, 8, 32, 32, 16, 1), "interpreter: small tiles")
     ],
@@ -209,6 +229,29 @@ def pick_config(
         # 4-byte operands double the shared memory per stage; halve the reduction step to fit.
         field = "block_k" if op == "m_grouped" else "block_r"
         config = dataclasses.replace(config, **{field: max(16, getattr(config, field) // 2)})
+    return config
+
+
+def pick_fp8_ws_config(
+    *, recipe: str, device_name: str = "", dtype: str = "", G: int = 0, N: int = 0, K: int = 0, M: int = 0
+):
+    """The warp-specialized FP8 kernel's config, or None where the Triton kernel stays faster.
+
+    A tuned-cache entry for this shape bucket wins if the device has one. Else the 128 x 256 tile from
+    K = 2560 up and the 128 x 128 one below (the K at which the measured winner flips, table notes).
+    Tensorwise and rowwise keep the Triton kernel (its split accumulator, max_num_imprecise_acc) where
+    groups average under 256 rows and the wide tile would run: the only place it lost (gptoss-120b-fc1
+    dgrad, 128 rows a group, K 5760: 0.94-0.96x; perf-notes 20), the 128-row tile wasting the partial
+    tiles the Triton kernel's tuned 64-row tiles do not."""
+    op = "m_grouped_fp8_ws"
+    if device_name:
+        hit = load_cache(device_name).get(cache_key(op, dtype, G, N, K, M))
+        if hit is not None:
+            return MGroupedFp8WsConfig(**hit)
+    wide, narrow = candidates(op, "sm90")[:2]
+    config = wide if K >= 2560 and N > narrow.block_n else narrow
+    if recipe != "blockwise" and config is wide and M < 256 * max(G, 1):
+        return None
     return config
 
 

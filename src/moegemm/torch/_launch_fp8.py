@@ -7,27 +7,43 @@ memoized on static facts, and launches go through ``DirectLaunch`` like the BF16
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 
 from moegemm import configs, fp8
+from moegemm.kernels import m_grouped_fp8_ws as ws
 from moegemm.kernels import quantize_fp8 as qk
 from moegemm.kernels.k_grouped_fp8 import KGroupedFp8Launch, k_grouped_mm_fp8_kernel
 from moegemm.kernels.m_grouped_fp8 import MGroupedFp8Launch, m_grouped_mm_fp8_kernel
 from moegemm.torch._launch import INTERPRET, DirectLaunch, _dtype_name, _target
 
 M_GROUPED_FP8 = DirectLaunch(m_grouped_mm_fp8_kernel)
+M_GROUPED_FP8_WS = DirectLaunch(ws.m_grouped_mm_fp8_ws_kernel)
+# MOEGEMM_FP8_WS=0 runs every m-grouped FP8 GEMM on the Triton kernel (the warp-specialized Gluon one
+# otherwise takes promoted-mode launches on sm90; benchmarks compare the two this way).
+FP8_WS = os.environ.get("MOEGEMM_FP8_WS", "1") != "0"
 K_GROUPED_FP8 = DirectLaunch(k_grouped_mm_fp8_kernel)
 GROUP_AMAX = DirectLaunch(qk.fp8_group_amax_kernel)
 QUANTIZE_TILES = DirectLaunch(qk.fp8_quantize_tiles_kernel)
 QUANTIZE_ROWS = DirectLaunch(qk.fp8_quantize_rows_kernel)
 QUANTIZE_COLS = DirectLaunch(qk.fp8_quantize_cols_kernel)
-LAUNCHES = (M_GROUPED_FP8, K_GROUPED_FP8, GROUP_AMAX, QUANTIZE_TILES, QUANTIZE_ROWS, QUANTIZE_COLS)
+LAUNCHES = (
+    M_GROUPED_FP8,
+    M_GROUPED_FP8_WS,
+    K_GROUPED_FP8,
+    GROUP_AMAX,
+    QUANTIZE_TILES,
+    QUANTIZE_ROWS,
+    QUANTIZE_COLS,
+)
 
 
 def clear_launch_cache() -> None:
     _m_launch.cache_clear()
+    _m_ws_launch.cache_clear()
+    _ws_device.cache_clear()
     _k_launch.cache_clear()
     _quantize_config.cache_clear()
     for launch in LAUNCHES:
@@ -66,6 +82,32 @@ def _m_launch(M, N, K, G, recipe, dtype, device, max_stride, has_bias, fast_accu
         max_stride=max_stride,
         has_bias=has_bias,
         fast_accum=fast_accum,
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _ws_device(device: torch.device) -> bool:
+    """Whether the warp-specialized kernel runs here: Gluon present, an sm90 GPU (wgmma, setmaxnreg)."""
+    if device.type != "cuda" or INTERPRET or not ws.supported():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _m_ws_launch(
+    M, N, K, G, recipe, dtype, device, max_stride, has_bias, fast_accum
+) -> ws.MGroupedFp8WsLaunch | None:
+    """The warp-specialized launch, or None where the config table keeps the Triton kernel."""
+    _, device_name, programs = _target(device)
+    dtype_key = fp8_key_dtype(recipe, dtype, fast_accum)
+    config = configs.pick_fp8_ws_config(
+        recipe=recipe, device_name=device_name, dtype=dtype_key, G=G, N=N, K=K, M=M
+    )
+    if config is None:
+        return None
+    return ws.MGroupedFp8WsLaunch.make(
+        M, N, K, G, recipe=recipe, config=config, num_programs_cap=programs, has_bias=has_bias
     )
 
 
@@ -112,6 +154,23 @@ def launch_m_grouped_fp8(x, sx, w, sw, group_sizes, out, bias, recipe: str, fast
     sb = (0, 0) if bias is None else bias.stride()
     strides = (*x.stride(), *w.stride(), *out.stride(), *sb)
     spec = (M, N, K, G, recipe, x.dtype, x.device, max(map(abs, strides)), bias is not None, fast_accum)
+    promoted = recipe == "blockwise" or not fast_accum
+    if (
+        FP8_WS
+        and promoted
+        and x.stride(1) == 1
+        and w.stride(2) == 1
+        and ws.supported_problem(K, False, max(abs(x.stride(0)), abs(w.stride(1))))
+        and _ws_device(x.device)
+        and _m_ws_launch(*spec) is not None
+    ):
+        M_GROUPED_FP8_WS.launch(
+            spec,
+            (x, w, sx, sw, group_sizes, sx if bias is None else bias, out),
+            (M, N, K, G, x.stride(0), *w.stride()[:2], *out.stride(), *sb, *_m_scale_strides(recipe, sx, sw)),
+            lambda: _m_ws_launch(*spec),
+        )
+        return
     M_GROUPED_FP8.launch(
         spec,
         # No group offset: group_sizes fills its slot, never read.
