@@ -295,6 +295,22 @@ def test_quantize_tiles_geometry_covers_every_tile(R, C, G, write_q):
         assert grid[0] * fp8.cdiv(col_tiles, 2 * chunks) < 16 * sms
 
 
+@pytest.mark.parametrize("write_q", [True, False], ids=["data", "data_t"])
+@pytest.mark.parametrize("scaling", [0, 1, 2], ids=["tensor", "1x128", "128x128"])
+def test_quantize_tile_shape_is_the_launch_tile(scaling, write_q):
+    """tile_shape (the torch launcher's int64-offset decision uses it) is the tile tiles_geometry launches."""
+    from moegemm import configs
+    from moegemm.kernels import quantize_fp8 as qk
+
+    for config in (configs.QuantizeConfig(), configs.QuantizeConfig(q_rows=256, t_cols=64)):
+        shape = qk.tile_shape(scaling, write_q, config)
+        assert shape == qk.tiles_geometry(300, 4096, 6, scaling, write_q, config, 132)[:2]
+        if scaling == qk.BLOCK_128X128:
+            assert shape == (128, 128)
+        else:
+            assert shape == ((config.q_rows, 128) if write_q else (128, config.t_cols))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 class TestGemm(GemmTest):
     @pytest.fixture(autouse=True)

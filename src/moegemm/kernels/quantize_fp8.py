@@ -41,6 +41,15 @@ T_ALIGN = tl.constexpr(16)
 TENSOR, BLOCK_1X128, BLOCK_128X128 = 0, 1, 2
 
 
+def tile_shape(scaling: int, write_q: bool, config) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_C) of a fp8_quantize_tiles_kernel (or fp8_group_amax_kernel) launch for a
+    ``configs.QuantizeConfig``: a 128x128 weight block, else a q_rows x 128 data tile (write_q) or a
+    128 x t_cols transposed-copy tile."""
+    if scaling == BLOCK_128X128:
+        return SCALE_BLOCK, SCALE_BLOCK
+    return (config.q_rows, SCALE_BLOCK) if write_q else (SCALE_BLOCK, config.t_cols)
+
+
 def tiles_geometry(
     R: int, C: int, G: int, scaling: int, write_q: bool, config, sms: int
 ) -> tuple[int, int, int, int, tuple[int, int]]:
@@ -54,12 +63,11 @@ def tiles_geometry(
     after another). The grid holds every row tile any group sizes can produce (each group adds at
     most one partial tile, plus the tail slot's); the programs past the last one exit.
     """
-    if scaling == BLOCK_128X128:
-        block_r, block_c, chunks, warps = SCALE_BLOCK, SCALE_BLOCK, config.q_chunks, config.num_warps
-    elif write_q:
-        block_r, block_c, chunks, warps = config.q_rows, SCALE_BLOCK, config.q_chunks, config.num_warps
+    block_r, block_c = tile_shape(scaling, write_q, config)
+    if write_q or scaling == BLOCK_128X128:
+        chunks, warps = config.q_chunks, config.num_warps
     else:
-        block_r, block_c, chunks, warps = SCALE_BLOCK, config.t_cols, config.t_chunks, config.t_warps
+        chunks, warps = config.t_chunks, config.t_warps
     row_tiles, col_tiles = triton.cdiv(R, block_r) + G + 1, triton.cdiv(C, block_c)
     while chunks > 1 and row_tiles * triton.cdiv(col_tiles, chunks) < 16 * sms:
         chunks //= 2

@@ -305,9 +305,8 @@ def launch_quantize_fp8(
     max_stride = max(map(abs, (*x.stride(), *q.stride(), *t_strides)))
     # data/scale and the transposed copy come from separate launches (fp8_quantize_tiles_kernel says why).
     for write_q in (True, False) if write_t else (True,):
-        # The launch's widest tile side is 128 (the scale block) or the config's other side.
-        tile = max(fp8.SCALE_BLOCK, config.q_rows if write_q else config.t_cols)
-        wide = 2 * tile * max_stride >= 2**31 or x.numel() >= 2**31
+        # Offsets within a tile reach its widest side times the largest stride.
+        wide = 2 * max(qk.tile_shape(scaling, write_q, config)) * max_stride >= 2**31 or x.numel() >= 2**31
         QUANTIZE_TILES.launch(
             ("tiles", x.device, R, C, G, has_sizes, scaling, write_q, t_local, fp8_max, wide),
             (x, sizes, amax if scaling == qk.TENSOR else s, q, s, qt8, st),
