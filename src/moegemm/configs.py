@@ -65,8 +65,8 @@ class QuantizeConfig:
     tiles of one row tile, fewer where that leaves under 16 programs per SM; num_stages is the
     column loop's tl.range stages.
     Rowwise sweeps: rows per program and columns per step (data); columns per program and rows per
-    step (transposed copy); sweep_stages the same for the sweeps. Triton 3.6 gives these loads no
-    shared-memory stages (they feed no dot; perf-notes 19): loads in flight come from programs per SM."""
+    step (transposed copy); sweep_stages the same for the sweeps. With C and the strides 16-divisible
+    (every real launch) Triton 3.6 pipelines these loops with cp.async (perf-notes 20 corrects 19)."""
 
     q_rows: int = 32
     t_cols: int = 32

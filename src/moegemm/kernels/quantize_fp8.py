@@ -137,7 +137,7 @@ def fp8_group_amax_kernel(
     CHUNKS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HAS_SIZES: tl.constexpr,
-    NUM_STAGES: tl.constexpr,  # tl.range num_stages; triton 3.6 does not pipeline these loads (perf-notes 19)
+    NUM_STAGES: tl.constexpr,  # tl.range num_stages: cp.async stages where C and strides are 16-divisible (perf-notes 20)
 ):
     # Program (row tile, column segment), as fp8_quantize_tiles_kernel; one atomic per program.
     row_tile = tl.program_id(0)
@@ -194,7 +194,7 @@ def fp8_quantize_tiles_kernel(
     CHUNKS: tl.constexpr,  # BLOCK_C-wide column tiles per program
     BLOCK_G: tl.constexpr,
     HAS_SIZES: tl.constexpr,
-    NUM_STAGES: tl.constexpr,  # tl.range num_stages; triton 3.6 does not pipeline these loads (perf-notes 19)
+    NUM_STAGES: tl.constexpr,  # tl.range num_stages: cp.async stages where C and strides are 16-divisible (perf-notes 20)
     SCALING: tl.constexpr,
     WRITE_Q: tl.constexpr,  # data and scale
     WRITE_T: tl.constexpr,  # data_t and scale_t; never both in one launch (see below)
@@ -319,7 +319,7 @@ def fp8_quantize_rows_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HAS_SIZES: tl.constexpr,
-    NUM_STAGES: tl.constexpr,  # tl.range num_stages; triton 3.6 does not pipeline these loads (perf-notes 19)
+    NUM_STAGES: tl.constexpr,  # tl.range num_stages: cp.async stages where C and strides are 16-divisible (perf-notes 20)
     FP8_MAX: tl.constexpr,
     EMULATE_CAST: tl.constexpr,  # interpreter only
 ):
@@ -369,7 +369,7 @@ def fp8_quantize_cols_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HAS_SIZES: tl.constexpr,
-    NUM_STAGES: tl.constexpr,  # tl.range num_stages; triton 3.6 does not pipeline these loads (perf-notes 19)
+    NUM_STAGES: tl.constexpr,  # tl.range num_stages: cp.async stages where C and strides are 16-divisible (perf-notes 20)
     T_GROUP_LOCAL: tl.constexpr,
     FP8_MAX: tl.constexpr,
     EMULATE_CAST: tl.constexpr,  # interpreter only
