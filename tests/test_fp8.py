@@ -366,6 +366,32 @@ def test_m_grouped_fp8_warp_specialized(recipe, block_n, M, K, N, sizes, monkeyp
     assert len(calls) == (K % 16 == 0) + (N % 16 == 0), "the warp-specialized kernel ran where it applies"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("name,M,sizes", shapes.INVALID_SIZES, ids=[c[0] for c in shapes.INVALID_SIZES])
+def test_m_grouped_fp8_warp_specialized_clamps_bad_sizes(name, M, sizes, recipe, monkeypatch):
+    """Device-side sizes that break the contract: the warp-specialized kernel clamps as the twin does."""
+    from moegemm.torch import _launch_fp8
+
+    if not _launch_fp8._ws_device(torch.device(DEVICE)):
+        pytest.skip("the warp-specialized kernel needs Gluon and an sm90 GPU")
+    calls = []
+    launch = _launch_fp8.M_GROUPED_FP8_WS.launch
+    monkeypatch.setattr(_launch_fp8.M_GROUPED_FP8_WS, "launch", lambda *a: (calls.append(a[0]), launch(*a)))
+    gs = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
+    x = outliers(M, 128, 0).to(DEVICE)
+    w = torch.randn(len(sizes), 128, 128, device=DEVICE)
+    results = []
+    for backend in ("triton", "reference"):
+        x_q = quantize_fp8(x, recipe, group_sizes=gs, backend=backend)
+        w_q = quantize_fp8(w, recipe, backend=backend)
+        results.append(m_grouped_mm_fp8(x_q, w_q, gs, out_dtype=torch.float32, backend=backend).cpu())
+    out, want = results
+    assert calls, "the warp-specialized kernel did not run"
+    assert torch.isfinite(out).all(), f"{name}: unwritten or garbage elements"
+    assert relerr(out, want) <= GEMM_TOL, name
+
+
 @pytest.mark.parametrize("case", shapes.SUITE, ids=[c.name for c in shapes.SUITE])
 def test_m_grouped_fp8_warp_specialized_takes_the_suite(case):
     """Every suite shape's fprop and dgrad qualify for the warp-specialized kernel (a stride bound once

@@ -160,6 +160,13 @@ def launch_m_grouped_fp8(x, sx, w, sw, group_sizes, out, bias, recipe: str, fast
         and promoted
         and x.stride(1) == 1
         and w.stride(2) == 1
+        # 16-byte cp.async: base pointers and row strides must be 16-byte aligned (fp8 storage pads
+        # rows to 16; a foreign view may not, and then takes the Triton kernel).
+        and x.data_ptr() % 16 == 0
+        and w.data_ptr() % 16 == 0
+        and x.stride(0) % 16 == 0
+        and w.stride(1) % 16 == 0
+        and w.stride(0) % 16 == 0
         and ws.supported_problem(K, False, max(abs(x.stride(0)), abs(w.stride(1))))
         and _ws_device(x.device)
         and _m_ws_launch(*spec) is not None
