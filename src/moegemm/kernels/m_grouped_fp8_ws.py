@@ -304,7 +304,9 @@ def _step(
         c0 = col0 + PART * SUB_N
         # The weight's scales along K are contiguous: one L1 line serves 32 steps.
         if SCALE_BLOCK % SUB_N == 0:  # the part sits inside one weight block
-            sw = gl.load(sw_base + (c0 // SCALE_BLOCK) * stride_swn)
+            # A part past N (the right half of a 256-wide tile) reads nothing: its block index is past
+            # the weight's last.
+            sw = gl.load(sw_base + (c0 // SCALE_BLOCK) * stride_swn, mask=c0 < N, other=0.0)
         else:
             sw = gl.load(
                 sw_base + ((c0 + offs_n) // SCALE_BLOCK) * stride_swn, mask=offs_n < N - c0, other=0.0
