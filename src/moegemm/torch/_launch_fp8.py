@@ -96,9 +96,24 @@ def _ws_device(device: torch.device) -> bool:
 
 @functools.lru_cache(maxsize=4096)
 def _m_ws_launch(
-    M, N, K, G, recipe, dtype, device, max_stride, has_bias, fast_accum
+    M, N, K, G, recipe, dtype, device, max_stride, has_bias, fast_accum, x_strides, w_strides
 ) -> ws.MGroupedFp8WsLaunch | None:
-    """The warp-specialized launch, or None where the config table keeps the Triton kernel."""
+    """The warp-specialized launch, or None where the Triton kernel runs: fast accumulation, a layout
+    16-byte cp.async cannot read (K-contiguous operands with 16-byte aligned row strides; fp8 storage
+    pads rows to 16, a foreign view may not), a problem or device the kernel does not take, or a shape
+    the config table keeps on the Triton kernel. Static facts only, so it is decided once per shape."""
+    promoted = recipe == "blockwise" or not fast_accum
+    if not (
+        promoted
+        and x_strides[1] == 1
+        and w_strides[2] == 1
+        and x_strides[0] % 16 == 0
+        and w_strides[0] % 16 == 0
+        and w_strides[1] % 16 == 0
+        and ws.supported_problem(K, False, max(abs(x_strides[0]), abs(w_strides[1])))
+        and _ws_device(device)
+    ):
+        return None
     _, device_name, programs = _target(device)
     dtype_key = fp8_key_dtype(recipe, dtype, fast_accum)
     config = configs.pick_fp8_ws_config(
@@ -154,28 +169,18 @@ def launch_m_grouped_fp8(x, sx, w, sw, group_sizes, out, bias, recipe: str, fast
     sb = (0, 0) if bias is None else bias.stride()
     strides = (*x.stride(), *w.stride(), *out.stride(), *sb)
     spec = (M, N, K, G, recipe, x.dtype, x.device, max(map(abs, strides)), bias is not None, fast_accum)
-    promoted = recipe == "blockwise" or not fast_accum
-    if (
-        FP8_WS
-        and promoted
-        and x.stride(1) == 1
-        and w.stride(2) == 1
-        # 16-byte cp.async: base pointers and row strides must be 16-byte aligned (fp8 storage pads
-        # rows to 16; a foreign view may not, and then takes the Triton kernel).
-        and x.data_ptr() % 16 == 0
-        and w.data_ptr() % 16 == 0
-        and x.stride(0) % 16 == 0
-        and w.stride(1) % 16 == 0
-        and w.stride(0) % 16 == 0
-        and ws.supported_problem(K, False, max(abs(x.stride(0)), abs(w.stride(1))))
-        and _ws_device(x.device)
-        and _m_ws_launch(*spec) is not None
-    ):
+    # 16-byte cp.async also needs 16-byte aligned base pointers (the one dynamic fact).
+    ws_launch = (
+        _m_ws_launch(*spec, x.stride(), w.stride())
+        if FP8_WS and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+        else None
+    )
+    if ws_launch is not None:
         M_GROUPED_FP8_WS.launch(
             spec,
             (x, w, sx, sw, group_sizes, sx if bias is None else bias, out),
             (M, N, K, G, x.stride(0), *w.stride()[:2], *out.stride(), *sb, *_m_scale_strides(recipe, sx, sw)),
-            lambda: _m_ws_launch(*spec),
+            lambda: ws_launch,
         )
         return
     M_GROUPED_FP8.launch(
