@@ -341,7 +341,7 @@ def test_m_grouped_fp8_warp_specialized(recipe, block_n, M, K, N, sizes, monkeyp
 
     if not _launch_fp8._ws_device(torch.device(DEVICE)):
         pytest.skip("the warp-specialized kernel needs Gluon and an sm90 GPU")
-    wide = configs.MGroupedFp8WsConfig(block_n, 4 if block_n == 256 else 6)
+    wide = configs.Fp8WsConfig(block_n, 4 if block_n == 256 else 6)
     monkeypatch.setattr(_launch_fp8.configs, "pick_fp8_ws_config", lambda **_: wide)
     _launch_fp8.clear_launch_cache()
     calls = []
@@ -406,6 +406,105 @@ def test_m_grouped_fp8_warp_specialized_takes_the_suite(case):
         assert ws.supported_problem(K, False, fp8.padded(max(K, N))), (case.name, K)
         config = configs.pick_fp8_ws_config(recipe="blockwise", G=case.G, N=N, K=K, M=case.M)
         assert config is not None and config.block_n in (128, 256)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("accumulate", [False, True], ids=["store", "accumulate"])
+@pytest.mark.parametrize("block_n", [128, 256])
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize(
+    "M,K,N,sizes",
+    [
+        (300, 256, 384, [100, 0, 150, 20]),
+        (700, 200, 136, list(shapes.group_sizes(650, 6, seed=5, empty=2))),
+        (640, 264, 512, [0, 0, 640, 0]),
+        (64, 128, 128, [0, 0, 0]),
+        (129, 48, 33, [64, 1, 64]),
+    ],
+    ids=["skew-empty-tail", "dirichlet-odd-n", "one-hot", "all-empty", "odd-dims"],
+)
+def test_k_grouped_fp8_warp_specialized(recipe, block_n, accumulate, M, K, N, sizes, monkeypatch):
+    """The warp-specialized Gluon wgrad (promoted mode on sm90), each tile width: dW [G, N, K] against
+    the fp64 oracle of the dequantized transposed copies, into a NaN-poisoned buffer (every element
+    written) or accumulated into main_grad (an empty group's left bit-identical); a spy makes sure it
+    is that kernel that ran."""
+    from moegemm import configs
+    from moegemm.torch import _launch_fp8
+
+    if not _launch_fp8._ws_device(torch.device(DEVICE)):
+        pytest.skip("the warp-specialized kernel needs Gluon and an sm90 GPU")
+    config = configs.Fp8WsConfig(block_n, 4 if block_n == 256 else 6, 8, 216 if block_n == 256 else 200)
+    monkeypatch.setattr(_launch_fp8.configs, "pick_fp8_ws_config", lambda *a, **_: config)
+    _launch_fp8.clear_launch_cache()
+    calls = []
+    launch = _launch_fp8.K_GROUPED_FP8_WS.launch
+    monkeypatch.setattr(_launch_fp8.K_GROUPED_FP8_WS, "launch", lambda *a: (calls.append(a[0]), launch(*a)))
+    try:
+        gs, x_q, w_q, dy_q = GemmTest().operands(recipe, M, K, N, sizes, seed=block_n)
+        if accumulate:
+            main = torch.randn(len(sizes), N, K, device=DEVICE)
+        else:
+            main = torch.full((len(sizes), N, K), float("nan"), device=DEVICE)
+        before = main.clone()
+        k_grouped_mm_fp8(dy_q, x_q, gs, out=main, accumulate=accumulate)
+    finally:
+        _launch_fp8.clear_launch_cache()
+    want = oracle.k_grouped_mm(
+        dy_q.dequantize_t(torch.float64).cpu(),
+        x_q.dequantize_t(torch.float64).cpu(),
+        sizes,
+        c=before.double().cpu() if accumulate else None,
+    )
+    assert not torch.isnan(main).any(), "unwritten elements"
+    assert relerr(main.cpu(), torch.from_numpy(want)) <= GEMM_TOL, f"wgrad {recipe} {sizes}"
+    for g, rows in enumerate(oracle.rows(sizes, M)):
+        if not len(rows):
+            if accumulate:
+                assert torch.equal(as_bytes(main[g]), as_bytes(before[g])), f"empty group {g} was touched"
+            else:
+                assert (main[g] == 0).all(), f"empty group {g}: dW must be exact zeros"
+    assert len(calls) == 1, "the warp-specialized wgrad ran"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("name,M,sizes", shapes.INVALID_SIZES, ids=[c[0] for c in shapes.INVALID_SIZES])
+def test_k_grouped_fp8_warp_specialized_clamps_bad_sizes(name, M, sizes, recipe, monkeypatch):
+    """Device-side sizes that break the contract: the warp-specialized wgrad clamps as the twin does."""
+    from moegemm.torch import _launch_fp8
+
+    if not _launch_fp8._ws_device(torch.device(DEVICE)):
+        pytest.skip("the warp-specialized kernel needs Gluon and an sm90 GPU")
+    calls = []
+    launch = _launch_fp8.K_GROUPED_FP8_WS.launch
+    monkeypatch.setattr(_launch_fp8.K_GROUPED_FP8_WS, "launch", lambda *a: (calls.append(a[0]), launch(*a)))
+    gs = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
+    x = outliers(M, 136, 0).to(DEVICE)
+    results = []
+    for backend in ("triton", "reference"):
+        x_q = quantize_fp8(x, recipe, group_sizes=gs, transpose=True, backend=backend)
+        results.append(k_grouped_mm_fp8(x_q, x_q, gs, backend=backend).cpu())
+    out, want = results
+    assert calls, "the warp-specialized wgrad did not run"
+    assert torch.isfinite(out).all(), f"{name}: unwritten or garbage elements"
+    assert relerr(out, want) <= GEMM_TOL, name
+
+
+@pytest.mark.parametrize("case", shapes.SUITE, ids=[c.name for c in shapes.SUITE])
+def test_k_grouped_fp8_warp_specialized_takes_the_suite(case):
+    """Every suite shape's wgrad (dW [G, N, K] = dy_t @ x_t^T) qualifies for the warp-specialized
+    kernel, with a config of either width."""
+    from moegemm import configs
+    from moegemm.kernels import k_grouped_fp8_ws as k_ws
+
+    if not k_ws.supported():
+        pytest.skip("this Triton has no Gluon Hopper API")
+    row_stride = fp8.transposed_columns(case.M, case.G)
+    assert k_ws.supported_problem(False, row_stride, case.N * case.K), case.name
+    config = configs.pick_fp8_ws_config(
+        "k_grouped_fp8_ws", recipe="blockwise", G=case.G, N=case.K, K=case.N, M=case.M
+    )
+    assert config is not None and config.block_n in (128, 256)
 
 
 # ---------------------------------------------------------------- GroupedLinear(fp8_recipe=...)

@@ -45,11 +45,12 @@ class KGroupedConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class MGroupedFp8WsConfig:
-    """The warp-specialized FP8 m-grouped kernel (``kernels/m_grouped_fp8_ws.py``, promoted mode, sm90):
-    a 128 x block_n tile (two consumer warpgroups of 64 rows; 256 runs as two 128-column halves),
-    num_stages ring slots of 128-wide K steps, consumer_regs registers per consumer thread
-    (setmaxnreg; the loader warpgroup gets the rest of 168 x 12 warps)."""
+class Fp8WsConfig:
+    """The warp-specialized FP8 kernels (``kernels/m_grouped_fp8_ws.py``, ``kernels/k_grouped_fp8_ws.py``;
+    promoted mode, sm90): a 128 x block_n output tile (two consumer warpgroups of 64 rows; 256 runs as
+    two 128-column halves), num_stages ring slots of 128-wide reduction steps, group_m row tiles per
+    swizzle band, consumer_regs registers per consumer thread (setmaxnreg; the loader warpgroup gets
+    the rest of 168 x 12 warps)."""
 
     block_n: int = 256
     num_stages: int = 4
@@ -162,8 +163,14 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
     # dsv3-ep8-fc1 blockwise 899 vs 750, mixtral-fc1 756 vs 683, gptoss-120b-fc1 447 vs 415, but
     # qwen3-30b-fc1 (K 2048) 385 vs 410. pick_fp8_ws_config takes the 128-wide tile below K = 2560.
     ("m_grouped_fp8_ws", "sm90"): [
-        (MGroupedFp8WsConfig(256, 4), "long K: 128 x 256 halves the L2 bytes per FLOP of 128 x 128"),
-        (MGroupedFp8WsConfig(128, 6), "short K (<= 2048): less epilogue per tile, deeper ring"),
+        (Fp8WsConfig(256, 4), "long K: 128 x 256 halves the L2 bytes per FLOP of 128 x 128"),
+        (Fp8WsConfig(128, 6), "short K (<= 2048): less epilogue per tile, deeper ring"),
+    ],
+    # The wgrad: late weight-side scales and 216 registers keep the 128 x 256 consumers from spilling
+    # (ptxas: 240 B a thread, the loader's; 128 x 128 needs 200 and spills none). Measured: perf-notes 21.
+    ("k_grouped_fp8_ws", "sm90"): [
+        (Fp8WsConfig(256, 4, 8, 216), "128 x 256: half the shared-memory bytes per FLOP of 128 x 128"),
+        (Fp8WsConfig(128, 6, 8, 200), "narrow outputs: 128 x 128, deeper ring"),
     ],
     ("quantize_fp8", "interpret"): [
         (QuantizeConfig(32, 32, 8, 8, 4, 1, 4, 8, 32, 32, 16, 1), "interpreter: small tiles")
@@ -233,22 +240,33 @@ def pick_config(
 
 
 def pick_fp8_ws_config(
-    *, recipe: str, device_name: str = "", dtype: str = "", G: int = 0, N: int = 0, K: int = 0, M: int = 0
-):
-    """The warp-specialized FP8 kernel's config, or None where the Triton kernel stays faster.
+    op: str = "m_grouped_fp8_ws",
+    *,
+    recipe: str,
+    device_name: str = "",
+    dtype: str = "",
+    G: int = 0,
+    N: int = 0,
+    K: int = 0,
+    M: int = 0,
+) -> Fp8WsConfig | None:
+    """A warp-specialized FP8 kernel's config (op "m_grouped_fp8_ws" or "k_grouped_fp8_ws"; N, K the
+    output's columns and the m-grouped contraction, or out[g]'s columns and rows), or None where the
+    Triton kernel stays faster. A tuned-cache entry for this shape bucket wins if the device has one.
 
-    A tuned-cache entry for this shape bucket wins if the device has one. Else the 128 x 256 tile from
-    K = 2560 up and the 128 x 128 one below (the K at which the measured winner flips, table notes).
-    Tensorwise and rowwise keep the Triton kernel (its split accumulator, max_num_imprecise_acc) where
-    groups average under 256 rows and the wide tile would run: the only place it lost (gptoss-120b-fc1
-    dgrad, 128 rows a group, K 5760: 0.94-0.96x; perf-notes 20), the 128-row tile wasting the partial
-    tiles the Triton kernel's tuned 64-row tiles do not."""
-    op = "m_grouped_fp8_ws"
+    m-grouped: the 128 x 256 tile from K = 2560 up and the 128 x 128 one below (the K at which the
+    measured winner flips, table notes). Tensorwise and rowwise keep the Triton kernel (its split
+    accumulator, max_num_imprecise_acc) where groups average under 256 rows and the wide tile would
+    run: the only place it lost (gptoss-120b-fc1 dgrad, 128 rows a group, K 5760: 0.94-0.96x;
+    perf-notes 20), the 128-row tile wasting the partial tiles the Triton kernel's tuned 64-row tiles
+    do not. k-grouped: the wide tile unless out[g] is at most 128 columns wide (table notes)."""
     if device_name:
         hit = load_cache(device_name).get(cache_key(op, dtype, G, N, K, M))
         if hit is not None:
-            return MGroupedFp8WsConfig(**hit)
+            return Fp8WsConfig(**hit)
     wide, narrow = candidates(op, "sm90")[:2]
+    if op == "k_grouped_fp8_ws":
+        return wide if N > narrow.block_n else narrow
     config = wide if K >= 2560 and N > narrow.block_n else narrow
     if recipe != "blockwise" and config is wide and M < 256 * max(G, 1):
         return None

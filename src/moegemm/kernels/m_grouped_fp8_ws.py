@@ -31,49 +31,26 @@ from __future__ import annotations
 import dataclasses
 
 import triton
-import triton.language as tl
 
-from moegemm.kernels.schedule import locate_row_tile, row_tile_space
-
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-
-    _IMPORT_ERROR = None
-except ImportError as e:  # a Triton without (this version of) Gluon's Hopper API
-
-    class _NoGluon:
-        """Lets this module import (and supported() answer) where Gluon is missing."""
-
-        constexpr = None
-
-        @staticmethod
-        def jit(fn=None, **_):
-            return fn if fn is not None else (lambda f: f)
-
-        constexpr_function = jit
-
-    gluon = gl = _NoGluon()
-    _IMPORT_ERROR = e
+from moegemm.kernels.gluon_hopper import (
+    CONSUMER_WARPS,
+    LOADER_WARPS,
+    MAXNREG,
+    copy_layout,
+    cp,
+    fence_async_shared,
+    gl,
+    gluon,
+    mbarrier,
+    sched_layout,
+    supported,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from moegemm.kernels.schedule import clamped_group_bounds, locate_row_tile, row_tile_space
 
 SCALINGS = {"tensorwise": 0, "rowwise": 1, "blockwise": 2}
-LOADER_WARPS = 4  # the default partition: the launch's num_warps
-# Registers per thread at launch (ptxas's cap): 12 warps x 168 fill the 64K register file. setmaxnreg
-# then moves them: CONSUMER_REGS to each consumer, the rest to the loader.
-MAXNREG = 168
-CONSUMER_WARPS = gl.constexpr(4) if _IMPORT_ERROR is None else 4  # one warpgroup per consumer
-
-
-def supported() -> bool:
-    """Whether this Triton has the Gluon API the kernel uses (it needs an sm_90 device besides)."""
-    return _IMPORT_ERROR is None
+__all__ = ["LOADER_WARPS", "MAXNREG", "SCALINGS", "MGroupedFp8WsLaunch", "supported", "supported_problem"]
 
 
 def supported_problem(K: int, has_group_offset: bool, row_stride: int) -> bool:
@@ -82,30 +59,16 @@ def supported_problem(K: int, has_group_offset: bool, row_stride: int) -> bool:
     return supported() and K % 16 == 0 and not has_group_offset and 256 * row_stride < 2**31
 
 
-@gluon.constexpr_function
-def _copy_layout(block_k, num_warps):
-    """cp.async pointer tiles: 16 consecutive bytes of K per thread, a warp's threads along K first."""
-    tpw_k = max(1, min(32, block_k // 16))
-    return gl.BlockedLayout([1, 16], [32 // tpw_k, tpw_k], [num_warps, 1], [1, 0])
-
-
-@gluon.constexpr_function
-def _sched_layout(num_warps):
-    return gl.BlockedLayout([1], [32], [num_warps], [0])
-
-
 @gluon.jit
 def _tile_space(group_sizes_ptr, G, M, n_tiles, BLOCK_M: gl.constexpr, BLOCK_G: gl.constexpr):
-    """``schedule.group_row_bounds`` + ``row_tile_space`` with an explicit layout (Gluon's arange needs
-    one); the same clamping, so every partition sees the same tiles."""
-    offs = gl.arange(0, BLOCK_G, layout=_sched_layout(gl.num_warps()))
-    sizes = gl.load(group_sizes_ptr + offs, mask=offs < G, other=0).to(gl.int64)
-    sizes = gl.minimum(gl.maximum(sizes, 0), M)
-    ends_unclamped = tl.cumsum(sizes, 0)
+    """``schedule.group_row_bounds`` + ``row_tile_space`` over an arange with this partition's layout
+    (Gluon's arange needs one); the same clamping, so every partition sees the same tiles."""
+    offs = gl.arange(0, BLOCK_G, layout=sched_layout(gl.num_warps()))
+    starts, ends = clamped_group_bounds(group_sizes_ptr, offs, G, M)
     # int32 once clamped into [0, M] (M is an i32): these vectors stay live through the whole kernel,
     # and int64 ones cost the consumers registers their accumulators need.
-    starts = gl.minimum(ends_unclamped - sizes, M).to(gl.int32)
-    ends = gl.minimum(ends_unclamped, M).to(gl.int32)
+    starts = starts.to(gl.int32)
+    ends = ends.to(gl.int32)
     starts, ends, m_tiles, tile_ends, total_tiles = row_tile_space(offs, starts, ends, G, M, n_tiles, BLOCK_M)
     return offs, starts, ends, m_tiles, tile_ends, total_tiles
 
@@ -146,11 +109,11 @@ def _loader(
     fence. Masked chunks are zero-filled (cp.async source size 0): rows past the group, columns past N
     and K past its end add nothing."""
     NUM_STAGES: gl.constexpr = a_bufs.shape[0]
-    layout: gl.constexpr = _copy_layout(BLOCK_K, gl.num_warps())
+    layout: gl.constexpr = copy_layout(BLOCK_K, gl.num_warps())
     cp_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     cp_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
     cp_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
-    offs_r = gl.arange(0, BLOCK_M, layout=_sched_layout(gl.num_warps()))  # sx: one row per thread
+    offs_r = gl.arange(0, BLOCK_M, layout=sched_layout(gl.num_warps()))  # sx: one row per thread
     n_tiles = gl.cdiv(N, BLOCK_N)
     offs, starts, ends, m_tiles, tile_ends, total_tiles = _tile_space(
         group_sizes_ptr, G, M, n_tiles, BLOCK_M, BLOCK_G
@@ -449,7 +412,7 @@ class MGroupedFp8WsLaunch:
 
     @staticmethod
     def make(M: int, N: int, K: int, G: int, *, recipe: str, config, num_programs_cap: int, has_bias: bool):
-        """config: ``configs.MGroupedFp8WsConfig``; num_programs_cap: the SM count (one CTA per SM:
+        """config: ``configs.Fp8WsConfig``; num_programs_cap: the SM count (one CTA per SM:
         the ring takes most of shared memory)."""
         bm, bn, bk = 128, config.block_n, 128
         max_tiles = (triton.cdiv(M, bm) + G + 1) * triton.cdiv(N, bn)

@@ -22,12 +22,21 @@ def group_row_bounds(group_sizes_ptr, G, M, BLOCK_G: tl.constexpr):
     With group_sizes=[8, -2, 5]: sizes clamp to [8, 0, 5] and ends to [8, 8, 10] (sum 13 > M).
     """
     offs = tl.arange(0, BLOCK_G)
+    starts, ends = clamped_group_bounds(group_sizes_ptr, offs, G, M)
+    return offs, starts, ends
+
+
+@triton.jit
+def clamped_group_bounds(group_sizes_ptr, offs, G, M):
+    """(starts, ends) int64 of the groups in slots ``offs`` (an arange over >= G slots) by the clamping
+    rules above. The one copy of them: ``group_row_bounds`` passes a ``tl.arange``, the Gluon kernels
+    one with their layout (Gluon's arange needs one)."""
     sizes = tl.load(group_sizes_ptr + offs, mask=offs < G, other=0).to(tl.int64)
     sizes = tl.minimum(tl.maximum(sizes, 0), M)
     ends_unclamped = tl.cumsum(sizes, 0)
     starts = tl.minimum(ends_unclamped - sizes, M)
     ends = tl.minimum(ends_unclamped, M)
-    return offs, starts, ends
+    return starts, ends
 
 
 @triton.jit

@@ -13,6 +13,7 @@ import torch
 import triton
 
 from moegemm import configs, fp8
+from moegemm.kernels import k_grouped_fp8_ws as k_ws
 from moegemm.kernels import m_grouped_fp8_ws as ws
 from moegemm.kernels import quantize_fp8 as qk
 from moegemm.kernels.k_grouped_fp8 import KGroupedFp8Launch, k_grouped_mm_fp8_kernel
@@ -21,10 +22,11 @@ from moegemm.torch._launch import INTERPRET, DirectLaunch, _dtype_name, _target
 
 M_GROUPED_FP8 = DirectLaunch(m_grouped_mm_fp8_kernel)
 M_GROUPED_FP8_WS = DirectLaunch(ws.m_grouped_mm_fp8_ws_kernel)
-# MOEGEMM_FP8_WS=0 runs every m-grouped FP8 GEMM on the Triton kernel (the warp-specialized Gluon one
-# otherwise takes promoted-mode launches on sm90; benchmarks compare the two this way).
+# MOEGEMM_FP8_WS=0 runs every FP8 GEMM on the Triton kernels (the warp-specialized Gluon ones
+# otherwise take promoted-mode launches on sm90; benchmarks compare the two this way).
 FP8_WS = os.environ.get("MOEGEMM_FP8_WS", "1") != "0"
 K_GROUPED_FP8 = DirectLaunch(k_grouped_mm_fp8_kernel)
+K_GROUPED_FP8_WS = DirectLaunch(k_ws.k_grouped_mm_fp8_ws_kernel)
 GROUP_AMAX = DirectLaunch(qk.fp8_group_amax_kernel)
 QUANTIZE_TILES = DirectLaunch(qk.fp8_quantize_tiles_kernel)
 QUANTIZE_ROWS = DirectLaunch(qk.fp8_quantize_rows_kernel)
@@ -33,6 +35,7 @@ LAUNCHES = (
     M_GROUPED_FP8,
     M_GROUPED_FP8_WS,
     K_GROUPED_FP8,
+    K_GROUPED_FP8_WS,
     GROUP_AMAX,
     QUANTIZE_TILES,
     QUANTIZE_ROWS,
@@ -45,6 +48,7 @@ def clear_launch_cache() -> None:
     _m_ws_launch.cache_clear()
     _ws_device.cache_clear()
     _k_launch.cache_clear()
+    _k_ws_launch.cache_clear()
     _quantize_config.cache_clear()
     for launch in LAUNCHES:
         launch.clear()
@@ -117,7 +121,7 @@ def _m_ws_launch(
     _, device_name, programs = _target(device)
     dtype_key = fp8_key_dtype(recipe, dtype, fast_accum)
     config = configs.pick_fp8_ws_config(
-        recipe=recipe, device_name=device_name, dtype=dtype_key, G=G, N=N, K=K, M=M
+        "m_grouped_fp8_ws", recipe=recipe, device_name=device_name, dtype=dtype_key, G=G, N=N, K=K, M=M
     )
     if config is None:
         return None
@@ -151,6 +155,42 @@ def _k_launch(M, N, K, G, recipe, dtype, device, max_stride, accumulate, fast_ac
         max_stride=max_stride,
         accumulate=accumulate,
         fast_accum=fast_accum,
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _k_ws_launch(
+    M, N, K, G, recipe, dtype, device, max_stride, accumulate, fast_accum, a_strides, b_strides, out_strides
+) -> k_ws.KGroupedFp8WsLaunch | None:
+    """The warp-specialized wgrad launch, or None where the Triton kernel runs: fast accumulation, a
+    layout 16-byte cp.async cannot read (token-contiguous transposed copies with 16-byte aligned rows;
+    ``moegemm.fp8`` storage has them, a foreign view may not), or a problem or device the kernel does
+    not take. Static facts only, so it is decided once per shape."""
+    promoted = recipe == "blockwise" or not fast_accum
+    out_span = (K - 1) * abs(out_strides[1]) + (N - 1) * abs(out_strides[2]) + 1
+    if not (
+        promoted
+        and a_strides[1] == 1
+        and b_strides[1] == 1
+        and k_ws.supported_problem(False, max(abs(a_strides[0]), abs(b_strides[0])), out_span)
+        and _ws_device(device)
+    ):
+        return None
+    _, device_name, programs = _target(device)
+    config = configs.pick_fp8_ws_config(
+        "k_grouped_fp8_ws",
+        recipe=recipe,
+        device_name=device_name,
+        dtype=fp8_key_dtype(recipe, dtype, fast_accum),
+        G=G,
+        N=N,
+        K=K,
+        M=M,
+    )
+    if config is None:
+        return None
+    return k_ws.KGroupedFp8WsLaunch.make(
+        M, N, K, G, recipe=recipe, config=config, num_programs_cap=programs, accumulate=accumulate
     )
 
 
@@ -202,6 +242,30 @@ def launch_k_grouped_fp8(
         return
     strides = (*a_t.stride(), *b_t.stride(), *out.stride())
     spec = (M, N, K, G, recipe, a_t.dtype, a_t.device, max(map(abs, strides)), accumulate, fast_accum)
+    # 16-byte cp.async also needs 16-byte aligned base pointers (the one dynamic fact).
+    ws_launch = (
+        _k_ws_launch(*spec, a_t.stride(), b_t.stride(), out.stride())
+        if FP8_WS and a_t.data_ptr() % 16 == 0 and b_t.data_ptr() % 16 == 0
+        else None
+    )
+    if ws_launch is not None:
+        K_GROUPED_FP8_WS.launch(
+            spec,
+            (a_t, b_t, sa, sb, group_sizes, out, out),
+            (
+                M,
+                N,
+                K,
+                G,
+                a_t.stride(0),
+                b_t.stride(0),
+                *out.stride(),
+                *_k_scale_strides(sa),
+                *_k_scale_strides(sb),
+            ),
+            lambda: ws_launch,
+        )
+        return
     K_GROUPED_FP8.launch(
         spec,
         (a_t, b_t, sa, sb, group_sizes, group_sizes, out, out),
