@@ -99,6 +99,11 @@ def child(desc: dict) -> None:
             lambda main=main: k_grouped_mm_fp8(dy_q, x_q, gs, out=main, accumulate=True), warmup=10, rep=100
         )
         res[label + "_acc_tflops"] = flops / ms * 1e-9
+        # Half the output bytes, the same number of store instructions: store-bandwidth-bound or not.
+        ms = triton.testing.do_bench(
+            lambda: k_grouped_mm_fp8(dy_q, x_q, gs, out_dtype=torch.bfloat16), warmup=10, rep=100
+        )
+        res[label + "_bf16out_tflops"] = flops / ms * 1e-9
         _launch_fp8.K_GROUPED_FP8_WS.launch = launch
         del out, main
     record(**res)
