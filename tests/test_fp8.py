@@ -471,10 +471,14 @@ def test_k_grouped_fp8_warp_specialized(recipe, block_n, accumulate, M, K, N, si
 @pytest.mark.parametrize("name,M,sizes", shapes.INVALID_SIZES, ids=[c[0] for c in shapes.INVALID_SIZES])
 def test_k_grouped_fp8_warp_specialized_clamps_bad_sizes(name, M, sizes, recipe, monkeypatch):
     """Device-side sizes that break the contract: the warp-specialized wgrad clamps as the twin does."""
+    from moegemm import configs
     from moegemm.torch import _launch_fp8
 
     if not _launch_fp8._ws_device(torch.device(DEVICE)):
         pytest.skip("the warp-specialized kernel needs Gluon and an sm90 GPU")
+    config = configs.Fp8WsConfig(128, 6, 8, 200)  # these short groups would route tensorwise/rowwise away
+    monkeypatch.setattr(_launch_fp8.configs, "pick_fp8_ws_config", lambda *a, **_: config)
+    _launch_fp8.clear_launch_cache()
     calls = []
     launch = _launch_fp8.K_GROUPED_FP8_WS.launch
     monkeypatch.setattr(_launch_fp8.K_GROUPED_FP8_WS, "launch", lambda *a: (calls.append(a[0]), launch(*a)))
@@ -484,6 +488,7 @@ def test_k_grouped_fp8_warp_specialized_clamps_bad_sizes(name, M, sizes, recipe,
     for backend in ("triton", "reference"):
         x_q = quantize_fp8(x, recipe, group_sizes=gs, transpose=True, backend=backend)
         results.append(k_grouped_mm_fp8(x_q, x_q, gs, backend=backend).cpu())
+    _launch_fp8.clear_launch_cache()
     out, want = results
     assert calls, "the warp-specialized wgrad did not run"
     assert torch.isfinite(out).all(), f"{name}: unwritten or garbage elements"
@@ -501,10 +506,21 @@ def test_k_grouped_fp8_warp_specialized_takes_the_suite(case):
         pytest.skip("this Triton has no Gluon Hopper API")
     row_stride = fp8.transposed_columns(case.M, case.G)
     assert k_ws.supported_problem(False, row_stride, case.N * case.K), case.name
-    config = configs.pick_fp8_ws_config(
-        "k_grouped_fp8_ws", recipe="blockwise", G=case.G, N=case.K, K=case.N, M=case.M
-    )
-    assert config is not None and config.block_n in (128, 256)
+    for recipe in fp8.RECIPES:
+        for accumulate in (False, True):
+            config = configs.pick_fp8_ws_config(
+                "k_grouped_fp8_ws",
+                recipe=recipe,
+                G=case.G,
+                N=case.K,
+                K=case.N,
+                M=case.M,
+                accumulate=accumulate,
+            )
+            # fp32 dW takes it, except tensorwise/rowwise stores where groups average under 512 tokens.
+            short_store = recipe != "blockwise" and not accumulate and case.M < 512 * case.G
+            assert (config is None) == short_store, (case.name, recipe, accumulate)
+            assert config is None or config.block_n in (128, 256)
 
 
 # ---------------------------------------------------------------- GroupedLinear(fp8_recipe=...)

@@ -166,11 +166,13 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
         (Fp8WsConfig(256, 4), "long K: 128 x 256 halves the L2 bytes per FLOP of 128 x 128"),
         (Fp8WsConfig(128, 6), "short K (<= 2048): less epilogue per tile, deeper ring"),
     ],
-    # The wgrad: late weight-side scales and 216 registers keep the 128 x 256 consumers from spilling
-    # (ptxas: 240 B a thread, the loader's; 128 x 128 needs 200 and spills none). Measured: perf-notes 21.
+    # The wgrad, measured on the H100 (perf-notes 21, fp8-wgrad-ws-probe-*.jsonl), fp32 dW TF/s 128 vs
+    # 256: dsv3-ep8-fc1 blockwise 477 vs 466 (accumulating 338 vs 361), tensorwise 529 vs 508,
+    # qwen3-30b-fc1 126 vs 110. 128 x 128 needs 200 registers a consumer and spills nothing; 128 x 256
+    # spills 240 B a thread in the loader (216 to the consumers, weight-side scales read late).
     ("k_grouped_fp8_ws", "sm90"): [
-        (Fp8WsConfig(256, 4, 8, 216), "128 x 256: half the shared-memory bytes per FLOP of 128 x 128"),
-        (Fp8WsConfig(128, 6, 8, 200), "narrow outputs: 128 x 128, deeper ring"),
+        (Fp8WsConfig(128, 6, 8, 200), "128 x 128, 6-deep ring: no spills"),
+        (Fp8WsConfig(256, 4, 8, 216), "128 x 256: half the shared-memory bytes per FLOP"),
     ],
     ("quantize_fp8", "interpret"): [
         (QuantizeConfig(32, 32, 8, 8, 4, 1, 4, 8, 32, 32, 16, 1), "interpreter: small tiles")
@@ -249,6 +251,8 @@ def pick_fp8_ws_config(
     N: int = 0,
     K: int = 0,
     M: int = 0,
+    out_itemsize: int = 4,
+    accumulate: bool = False,
 ) -> Fp8WsConfig | None:
     """A warp-specialized FP8 kernel's config (op "m_grouped_fp8_ws" or "k_grouped_fp8_ws"; N, K the
     output's columns and the m-grouped contraction, or out[g]'s columns and rows), or None where the
@@ -259,14 +263,22 @@ def pick_fp8_ws_config(
     accumulator, max_num_imprecise_acc) where groups average under 256 rows and the wide tile would
     run: the only place it lost (gptoss-120b-fc1 dgrad, 128 rows a group, K 5760: 0.94-0.96x;
     perf-notes 20), the 128-row tile wasting the partial tiles the Triton kernel's tuned 64-row tiles
-    do not. k-grouped: the wide tile unless out[g] is at most 128 columns wide (table notes)."""
+    do not.
+
+    k-grouped (out_itemsize, accumulate: the wgrad's output): the 128 x 128 tile (table notes). Where
+    groups average under 512 tokens the Triton kernel keeps 2-byte outputs and tensorwise/rowwise
+    stores, the places it won (perf-notes 21: bf16 out 0.64-0.80x on gptoss-120b-fc1, qwen3-30b-fc1
+    tensorwise 0.93x); fp32 outputs otherwise gain 1.04-1.44x."""
     if device_name:
         hit = load_cache(device_name).get(cache_key(op, dtype, G, N, K, M))
         if hit is not None:
             return Fp8WsConfig(**hit)
-    wide, narrow = candidates(op, "sm90")[:2]
     if op == "k_grouped_fp8_ws":
-        return wide if N > narrow.block_n else narrow
+        short = M < 512 * max(G, 1)
+        if short and (out_itemsize < 4 or (recipe != "blockwise" and not accumulate)):
+            return None
+        return candidates(op, "sm90")[0]
+    wide, narrow = candidates(op, "sm90")[:2]
     config = wide if K >= 2560 and N > narrow.block_n else narrow
     if recipe != "blockwise" and config is wide and M < 256 * max(G, 1):
         return None

@@ -160,12 +160,14 @@ def _k_launch(M, N, K, G, recipe, dtype, device, max_stride, accumulate, fast_ac
 
 @functools.lru_cache(maxsize=4096)
 def _k_ws_launch(
-    M, N, K, G, recipe, dtype, device, max_stride, accumulate, fast_accum, a_strides, b_strides, out_strides
-) -> k_ws.KGroupedFp8WsLaunch | None:
+    M, N, K, G, recipe, dtype, device, max_stride, accumulate, fast_accum, a_strides, b_strides, out_strides,
+    out_dtype,
+) -> k_ws.KGroupedFp8WsLaunch | None:  # fmt: skip
     """The warp-specialized wgrad launch, or None where the Triton kernel runs: fast accumulation, a
     layout 16-byte cp.async cannot read (token-contiguous transposed copies with 16-byte aligned rows;
-    ``moegemm.fp8`` storage has them, a foreign view may not), or a problem or device the kernel does
-    not take. Static facts only, so it is decided once per shape."""
+    ``moegemm.fp8`` storage has them, a foreign view may not), a problem or device the kernel does
+    not take, or a shape the config rule keeps on the Triton kernel. Static facts only, so it is
+    decided once per shape."""
     promoted = recipe == "blockwise" or not fast_accum
     out_span = (K - 1) * abs(out_strides[1]) + (N - 1) * abs(out_strides[2]) + 1
     if not (
@@ -186,6 +188,8 @@ def _k_ws_launch(
         N=N,
         K=K,
         M=M,
+        out_itemsize=out_dtype.itemsize,
+        accumulate=accumulate,
     )
     if config is None:
         return None
@@ -244,7 +248,7 @@ def launch_k_grouped_fp8(
     spec = (M, N, K, G, recipe, a_t.dtype, a_t.device, max(map(abs, strides)), accumulate, fast_accum)
     # 16-byte cp.async also needs 16-byte aligned base pointers (the one dynamic fact).
     ws_launch = (
-        _k_ws_launch(*spec, a_t.stride(), b_t.stride(), out.stride())
+        _k_ws_launch(*spec, a_t.stride(), b_t.stride(), out.stride(), out.dtype)
         if FP8_WS and a_t.data_ptr() % 16 == 0 and b_t.data_ptr() % 16 == 0
         else None
     )
