@@ -342,7 +342,7 @@ def test_m_grouped_fp8_warp_specialized(recipe, block_n, M, K, N, sizes, monkeyp
     if not _launch_fp8._ws_device(torch.device(DEVICE)):
         pytest.skip("the warp-specialized kernel needs Gluon and an sm90 GPU")
     wide = configs.Fp8WsConfig(block_n, 4 if block_n == 256 else 6)
-    monkeypatch.setattr(_launch_fp8.configs, "pick_fp8_ws_config", lambda **_: wide)
+    monkeypatch.setattr(_launch_fp8.configs, "pick_fp8_ws_config", lambda *a, **_: wide)
     _launch_fp8.clear_launch_cache()
     calls = []
     launch = _launch_fp8.M_GROUPED_FP8_WS.launch
