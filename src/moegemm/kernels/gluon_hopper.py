@@ -49,10 +49,15 @@ __all__ = [
     "fence_async_shared",
     "gl",
     "gluon",
+    "mark_slot_loaded",
     "mbarrier",
+    "release_slot",
+    "ring_barriers",
     "sched_layout",
     "supported",
     "warpgroup_mma",
+    "wait_slot_free",
+    "wait_slot_ready",
     "warpgroup_mma_wait",
 ]
 
@@ -80,3 +85,54 @@ def copy_layout(block_k, num_warps):
 def sched_layout(num_warps):
     """Vectors over groups (the schedule) and over a tile's rows or columns (scales): one a thread."""
     return gl.BlockedLayout([1], [32], [num_warps], [0])
+
+
+# The ring protocol. Step i of a partition's walk uses slot i % NUM_STAGES in phase (i // NUM_STAGES) & 1;
+# every partition walks the same steps, so the loader and both consumers agree on slots without messages.
+
+
+@gluon.jit
+def ring_barriers(NUM_STAGES: gl.constexpr):
+    """(ready, empty) [NUM_STAGES] mbarriers: ready[s] completes when every loader thread's copies into
+    slot s landed (one arrive per thread of the launch's default partition), empty[s] when both
+    consumers released it."""
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=32 * gl.num_warps())  # one arrive per loader thread
+        mbarrier.init(empty.index(i), count=2)  # one per consumer
+    return ready, empty
+
+
+@gluon.jit
+def wait_slot_free(empty, step):
+    """Loader: the slot of ``step`` once both consumers released its previous use (the first pass
+    through the ring waits on the phase before init, which counts as complete)."""
+    NUM_STAGES: gl.constexpr = empty.shape[0]
+    slot = step % NUM_STAGES
+    mbarrier.wait(empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
+    return slot
+
+
+@gluon.jit
+def mark_slot_loaded(ready, slot):
+    """Loader: every thread arrives once its own cp.async copies into ``slot`` land (noinc: the barrier
+    counts all loader threads)."""
+    cp.mbarrier_arrive(ready.index(slot), increment_count=False)
+
+
+@gluon.jit
+def wait_slot_ready(ready, step, PROXY_FENCE: gl.constexpr):
+    """Consumer: the slot of ``step`` once its copies landed."""
+    NUM_STAGES: gl.constexpr = ready.shape[0]
+    slot = step % NUM_STAGES
+    mbarrier.wait(ready.index(slot), (step // NUM_STAGES) & 1)
+    if PROXY_FENCE:  # cp.async wrote through the generic proxy; wgmma reads through the async one
+        fence_async_shared()
+    return slot
+
+
+@gluon.jit
+def release_slot(empty, slot):
+    """Consumer: done reading ``slot`` (its wgmmas drained)."""
+    mbarrier.arrive(empty.index(slot), count=1)

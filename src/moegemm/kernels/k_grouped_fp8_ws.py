@@ -38,12 +38,15 @@ from moegemm.kernels.gluon_hopper import (
     MAXNREG,
     copy_layout,
     cp,
-    fence_async_shared,
     gl,
     gluon,
-    mbarrier,
+    mark_slot_loaded,
+    release_slot,
+    ring_barriers,
     sched_layout,
     supported,
+    wait_slot_free,
+    wait_slot_ready,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -116,7 +119,6 @@ def _loader(
     it, and (blockwise) the step's scale vectors. Masked chunks are zero-filled (cp.async source size
     0). Along tokens the mask runs to the group's 16-aligned end, constant over each 16-byte chunk:
     the quantize kernels zero the padding columns."""
-    NUM_STAGES: gl.constexpr = a_bufs.shape[0]
     layout: gl.constexpr = copy_layout(BLOCK_R, gl.num_warps())
     cp_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, layout))
     cp_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
@@ -148,8 +150,7 @@ def _loader(
             sa_base = sa_ptr + k0 * stride_sak + sc_k * stride_sak
             sb_base = sb_ptr + n0 * stride_sbn + sc_n * stride_sbn
         for s in range(gl.cdiv(rows, BLOCK_R)):
-            slot = step % NUM_STAGES
-            mbarrier.wait(empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
+            slot = wait_slot_free(empty, step)
             r = s * BLOCK_R
             r_in = (cp_r < rows16 - r)[None, :]
             cp.async_copy_global_to_shared(a_bufs.index(slot), a_base + r + a_offs, mask=a_rows & r_in)
@@ -162,8 +163,7 @@ def _loader(
                 cp.async_copy_global_to_shared(
                     sb_bufs.index(slot), sb_base + blk * stride_sbg, mask=sc_n < N - n0
                 )
-            # Every loader thread arrives once its own copies land (the barrier counts them all).
-            cp.mbarrier_arrive(ready.index(slot), increment_count=False)
+            mark_slot_loaded(ready, slot)
             step += 1
 
 
@@ -206,7 +206,6 @@ def _consumer(
     """Rows [HALF * BLOCK_K / 2, (HALF + 1) * BLOCK_K / 2) of every output tile: wgmma, release,
     promote; then the epilogue. Two 64 x 128 accumulators and one partial fit a warpgroup's registers
     (BLOCK_N 256 as two halves), a 64 x 256 accumulator and its partial do not."""
-    NUM_STAGES: gl.constexpr = a_bufs.shape[0]
     SUB_K: gl.constexpr = BLOCK_K // 2
     SUB_N: gl.constexpr = BLOCK_N if BLOCK_N <= 128 else 128
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -229,10 +228,7 @@ def _consumer(
         acc0 = gl.zeros([SUB_K, SUB_N], gl.float32, mma_layout)
         acc1 = gl.zeros([SUB_K, SUB_N], gl.float32, mma_layout)  # BLOCK_N 256 only
         for _ in range(gl.cdiv(rows, BLOCK_R)):
-            slot = step % NUM_STAGES
-            mbarrier.wait(ready.index(slot), (step // NUM_STAGES) & 1)
-            if PROXY_FENCE:  # cp.async wrote through the generic proxy; wgmma reads through the async one
-                fence_async_shared()
+            slot = wait_slot_ready(ready, step, PROXY_FENCE)
             a = a_bufs.index(slot).slice(HALF * SUB_K, SUB_K)
             sa_slot = sa_bufs.index(slot).slice(HALF * SUB_K, SUB_K)
             acc0, partial = _step(
@@ -242,7 +238,7 @@ def _consumer(
                 acc1, partial = _step(
                     a, b_bufs.index(slot), sa_slot, sb_bufs.index(slot), partial, acc1, 1, SUB_N, SCALING
                 )
-            mbarrier.arrive(empty.index(slot), count=1)
+            release_slot(empty, slot)
             step += 1
         _epilogue(
             acc0, c_ptr, out_ptr, sa_ptr, sb_ptr, g, rows, k0, n0, K, N, stride_og, stride_ok, stride_on,
@@ -359,11 +355,7 @@ def k_grouped_mm_fp8_ws_kernel(
     vec_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     sa_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_K], vec_smem)
     sb_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_N], vec_smem)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=32 * gl.num_warps())  # one arrive per loader thread
-        mbarrier.init(empty.index(i), count=2)  # one per consumer
+    ready, empty = ring_barriers(NUM_STAGES)
     # Partition arguments are spelled out in place: a tuple built in a variable first loses the
     # constexpr-ness of its entries (triton 3.6).
     # fmt: off

@@ -38,12 +38,15 @@ from moegemm.kernels.gluon_hopper import (
     MAXNREG,
     copy_layout,
     cp,
-    fence_async_shared,
     gl,
     gluon,
-    mbarrier,
+    mark_slot_loaded,
+    release_slot,
+    ring_barriers,
     sched_layout,
     supported,
+    wait_slot_free,
+    wait_slot_ready,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -108,7 +111,6 @@ def _loader(
     the consumers read them from shared memory, since a global load in flight would stall their proxy
     fence. Masked chunks are zero-filled (cp.async source size 0): rows past the group, columns past N
     and K past its end add nothing."""
-    NUM_STAGES: gl.constexpr = a_bufs.shape[0]
     layout: gl.constexpr = copy_layout(BLOCK_K, gl.num_warps())
     cp_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     cp_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
@@ -135,8 +137,7 @@ def _loader(
         b_mask = (cp_n < N - col0)[:, None]
         k_steps = gl.where(g < G, gl.cdiv(K, BLOCK_K), 0)
         for k in range(k_steps):
-            slot = step % NUM_STAGES
-            mbarrier.wait(empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
+            slot = wait_slot_free(empty, step)
             k0 = k * BLOCK_K
             if EVEN_K:
                 cp.async_copy_global_to_shared(a_bufs.index(slot), x_base + k0 + x_offs, mask=a_mask)
@@ -148,8 +149,7 @@ def _loader(
             if SCALING == 2:
                 kb = k0 // SCALE_BLOCK
                 cp.async_copy_global_to_shared(sx_bufs.index(slot), sx_rows + kb * stride_sxk, mask=sx_mask)
-            # Every loader thread arrives once its own copies land (the barrier counts them all).
-            cp.mbarrier_arrive(ready.index(slot), increment_count=False)
+            mark_slot_loaded(ready, slot)
             step += 1
 
 
@@ -196,7 +196,6 @@ def _consumer(
     A BLOCK_N of 256 runs as two 128-column halves, one after the other, each with its own
     accumulator: two 64 x 128 fp32 accumulators and one partial fit a warpgroup's registers, a
     64 x 256 accumulator and its partial (256 registers a thread) do not."""
-    NUM_STAGES: gl.constexpr = a_bufs.shape[0]
     SUB_M: gl.constexpr = BLOCK_M // 2
     SUB_N: gl.constexpr = BLOCK_N if BLOCK_N <= 128 else 128
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -223,10 +222,7 @@ def _consumer(
         acc1 = gl.zeros([SUB_M, SUB_N], gl.float32, mma_layout)  # BLOCK_N 256 only
         k_steps = gl.where(g < G, gl.cdiv(K, BLOCK_K), 0)
         for k in range(k_steps):
-            slot = step % NUM_STAGES
-            mbarrier.wait(ready.index(slot), (step // NUM_STAGES) & 1)
-            if PROXY_FENCE:  # cp.async wrote through the generic proxy; wgmma reads through the async one
-                fence_async_shared()
+            slot = wait_slot_ready(ready, step, PROXY_FENCE)
             a = a_bufs.index(slot).slice(HALF * SUB_M, SUB_M)
             sw_base = sw_ptr + g_w * stride_swg + ((k * BLOCK_K) // SCALE_BLOCK) * stride_swk
             acc0, partial = _step(
@@ -238,7 +234,7 @@ def _consumer(
                     a, b_bufs.index(slot), sx_bufs.index(slot), partial, acc1, sw_base, col0, N, stride_swn,
                     offs_n, 1, HALF, SUB_N, SCALING, SCALE_BLOCK,
                 )  # fmt: skip
-            mbarrier.arrive(empty.index(slot), count=1)
+            release_slot(empty, slot)
             step += 1
         _epilogue(
             acc0, out_ptr, sx_ptr, sw_ptr, bias_ptr, g, g_w, G, rows_g, rows, col0, N, stride_om, stride_on,
@@ -369,11 +365,7 @@ def m_grouped_mm_fp8_ws_kernel(
     sx_bufs = gl.allocate_shared_memory(
         gl.float32, [NUM_STAGES, BLOCK_M], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     )
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=32 * gl.num_warps())  # one arrive per loader thread
-        mbarrier.init(empty.index(i), count=2)  # one per consumer
+    ready, empty = ring_barriers(NUM_STAGES)
     # Partition arguments are spelled out in place: a tuple built in a variable first loses the
     # constexpr-ness of its entries (triton 3.6).
     # fmt: off
