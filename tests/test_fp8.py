@@ -318,6 +318,23 @@ class TestGemm(GemmTest):
         self.BACKEND = backend
 
 
+def ws_spy(monkeypatch, launch_name: str, config=None) -> list:
+    """Skips without Gluon on an sm90 GPU. Else returns the list that records the spec of every launch
+    through ``_launch_fp8.<launch_name>`` (a warp-specialized kernel), with ``config`` forced for both
+    warp-specialized kernels if given (launch caches cleared; callers clear them again after)."""
+    from moegemm.torch import _launch_fp8
+
+    if not _launch_fp8._ws_device(torch.device(DEVICE)):
+        pytest.skip("the warp-specialized kernel needs Gluon and an sm90 GPU")
+    if config is not None:
+        monkeypatch.setattr(_launch_fp8.configs, "pick_fp8_ws_config", lambda *a, **_: config)
+        _launch_fp8.clear_launch_cache()
+    direct = getattr(_launch_fp8, launch_name)
+    calls, launch = [], direct.launch
+    monkeypatch.setattr(direct, "launch", lambda *a: (calls.append(a[0]), launch(*a)))
+    return calls
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_n", [128, 256])
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -339,14 +356,7 @@ def test_m_grouped_fp8_warp_specialized(recipe, block_n, M, K, N, sizes, monkeyp
     from moegemm import configs
     from moegemm.torch import _launch_fp8
 
-    if not _launch_fp8._ws_device(torch.device(DEVICE)):
-        pytest.skip("the warp-specialized kernel needs Gluon and an sm90 GPU")
-    wide = configs.Fp8WsConfig(block_n, 4 if block_n == 256 else 6)
-    monkeypatch.setattr(_launch_fp8.configs, "pick_fp8_ws_config", lambda *a, **_: wide)
-    _launch_fp8.clear_launch_cache()
-    calls = []
-    launch = _launch_fp8.M_GROUPED_FP8_WS.launch
-    monkeypatch.setattr(_launch_fp8.M_GROUPED_FP8_WS, "launch", lambda *a: (calls.append(a[0]), launch(*a)))
+    calls = ws_spy(monkeypatch, "M_GROUPED_FP8_WS", configs.Fp8WsConfig(block_n, 4 if block_n == 256 else 6))
     try:
         gs, x_q, w_q, dy_q = GemmTest().operands(recipe, M, K, N, sizes, seed=block_n)
         b = (torch.randn(len(sizes), N) + 3).to(DEVICE)
@@ -371,13 +381,7 @@ def test_m_grouped_fp8_warp_specialized(recipe, block_n, M, K, N, sizes, monkeyp
 @pytest.mark.parametrize("name,M,sizes", shapes.INVALID_SIZES, ids=[c[0] for c in shapes.INVALID_SIZES])
 def test_m_grouped_fp8_warp_specialized_clamps_bad_sizes(name, M, sizes, recipe, monkeypatch):
     """Device-side sizes that break the contract: the warp-specialized kernel clamps as the twin does."""
-    from moegemm.torch import _launch_fp8
-
-    if not _launch_fp8._ws_device(torch.device(DEVICE)):
-        pytest.skip("the warp-specialized kernel needs Gluon and an sm90 GPU")
-    calls = []
-    launch = _launch_fp8.M_GROUPED_FP8_WS.launch
-    monkeypatch.setattr(_launch_fp8.M_GROUPED_FP8_WS, "launch", lambda *a: (calls.append(a[0]), launch(*a)))
+    calls = ws_spy(monkeypatch, "M_GROUPED_FP8_WS")
     gs = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
     x = outliers(M, 128, 0).to(DEVICE)
     w = torch.randn(len(sizes), 128, 128, device=DEVICE)
@@ -431,14 +435,8 @@ def test_k_grouped_fp8_warp_specialized(recipe, block_n, accumulate, M, K, N, si
     from moegemm import configs
     from moegemm.torch import _launch_fp8
 
-    if not _launch_fp8._ws_device(torch.device(DEVICE)):
-        pytest.skip("the warp-specialized kernel needs Gluon and an sm90 GPU")
     config = configs.Fp8WsConfig(block_n, 4 if block_n == 256 else 6, 8, 216 if block_n == 256 else 200)
-    monkeypatch.setattr(_launch_fp8.configs, "pick_fp8_ws_config", lambda *a, **_: config)
-    _launch_fp8.clear_launch_cache()
-    calls = []
-    launch = _launch_fp8.K_GROUPED_FP8_WS.launch
-    monkeypatch.setattr(_launch_fp8.K_GROUPED_FP8_WS, "launch", lambda *a: (calls.append(a[0]), launch(*a)))
+    calls = ws_spy(monkeypatch, "K_GROUPED_FP8_WS", config)
     try:
         gs, x_q, w_q, dy_q = GemmTest().operands(recipe, M, K, N, sizes, seed=block_n)
         if accumulate:
@@ -474,14 +472,8 @@ def test_k_grouped_fp8_warp_specialized_clamps_bad_sizes(name, M, sizes, recipe,
     from moegemm import configs
     from moegemm.torch import _launch_fp8
 
-    if not _launch_fp8._ws_device(torch.device(DEVICE)):
-        pytest.skip("the warp-specialized kernel needs Gluon and an sm90 GPU")
-    config = configs.Fp8WsConfig(128, 6, 8, 200)  # these short groups would route tensorwise/rowwise away
-    monkeypatch.setattr(_launch_fp8.configs, "pick_fp8_ws_config", lambda *a, **_: config)
-    _launch_fp8.clear_launch_cache()
-    calls = []
-    launch = _launch_fp8.K_GROUPED_FP8_WS.launch
-    monkeypatch.setattr(_launch_fp8.K_GROUPED_FP8_WS, "launch", lambda *a: (calls.append(a[0]), launch(*a)))
+    # These short groups would route tensorwise/rowwise stores to the Triton kernel.
+    calls = ws_spy(monkeypatch, "K_GROUPED_FP8_WS", configs.Fp8WsConfig(128, 6, 8, 200))
     gs = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
     x = outliers(M, 136, 0).to(DEVICE)
     results = []
