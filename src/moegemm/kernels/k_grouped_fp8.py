@@ -82,8 +82,9 @@ def k_grouped_mm_fp8_kernel(
     else:
         first_group = 0
     t_units = aligned_group_offsets(offs, starts, ends, G_TOTAL, T_ALIGN)
-    blocks = tl.where(offs < G_TOTAL, tl.cdiv(ends - starts, SCALE_BLOCK), 0)
-    block_base = tl.cumsum(blocks, 0) - blocks
+    block_base = aligned_group_offsets(
+        offs, starts, ends, G_TOTAL, SCALE_BLOCK
+    )  # first 128-token scale block
     k_tiles = tl.cdiv(K, BLOCK_K)
     n_tiles = tl.cdiv(N, BLOCK_N)
     tiles_per_group = k_tiles * n_tiles

@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 
 import triton
-import triton.language as tl
 
 from moegemm.kernels.gluon_hopper import (
     CONSUMER_WARPS,
@@ -78,8 +77,7 @@ def _group_space(group_sizes_ptr, G, M, BLOCK_G: gl.constexpr, SCALE_BLOCK: gl.c
     starts, ends = clamped_group_bounds(group_sizes_ptr, offs, G, M)
     t_units = aligned_group_offsets(offs, starts, ends, G, T_ALIGN).to(gl.int32)
     rows = gl.where(offs < G, ends - starts, 0).to(gl.int32)
-    blocks = gl.cdiv(rows, SCALE_BLOCK)
-    block_base = tl.cumsum(blocks, 0) - blocks  # Gluon has no cumsum of its own
+    block_base = aligned_group_offsets(offs, starts, ends, G, SCALE_BLOCK).to(gl.int32)
     return offs, rows, t_units, block_base
 
 

@@ -138,7 +138,8 @@ def locate_row_tile(tile, offs, starts, ends, m_tiles, tile_ends, n_tiles, BLOCK
 @triton.jit
 def aligned_group_offsets(offs, starts, ends, G, ALIGN: tl.constexpr):
     """Exclusive prefix sum of cdiv(rows_g, ALIGN): group g's first column in a transposed copy whose
-    groups each start at a multiple of ALIGN, counted in units of ALIGN. Callers pick a group's entry
+    groups each start at a multiple of ALIGN, counted in units of ALIGN (with ALIGN = 128, group g's
+    first 128-row scale block). Callers pick a group's entry
     and multiply by ALIGN themselves, so Triton sees the product's divisibility (vectorized loads
     along the token dimension)."""
     units = tl.where(offs < G, tl.cdiv(ends - starts, ALIGN), 0)
