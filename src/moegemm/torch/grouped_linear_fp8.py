@@ -140,12 +140,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         dy_data, dy_scale, dy_t, dy_scale_t = _quantize_activation(
             dy, group_sizes, settings, settings.grad_dtype, need_w, backend
         )
-        dx = None
-        if need_x:
-            dx = _ops_fp8.m_grouped(
-                dy_data, dy_scale, w_t, w_scale_t, group_sizes, None, settings.recipe, x_dtype, False, backend
-            )
-        wgrad = (
+        wgrad = [
             dy,
             dy_t,
             dy_scale_t,
@@ -159,18 +154,31 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
             w_dtype,
             settings.recipe,
             backend,
-        )
-        if delay and (need_w or bias_dtype is not None):
+        ]
+        del dy_t, dy_scale_t
+        dw = db = None
+        delayed = delay and (need_w or bias_dtype is not None)
+        if delayed:
             if state.pending is not None:
                 raise RuntimeError(
                     "GroupedLinear(delay_wgrad_compute=True): a second backward ran before backward_dw() "
                     "consumed the first one's weight gradient"
                 )
-            state.pending = (weight_grads_fp8, wgrad, need_w)
+            state.pending = (weight_grads_fp8, tuple(wgrad), need_w)
+        else:
+            # The wgrad runs first so that dy's transposed copy is freed before dgrad allocates dx: the
+            # step's peak holds one of dy's two FP8 copies, not both.
+            dw, db = weight_grads_fp8(*wgrad)
+            if need_w and ctx.main_grad is not None and ctx.dummy_wgrad is not None:
+                dw = ctx.dummy_wgrad.detach()
+        wgrad.clear()
+        dx = None
+        if need_x:
+            dx = _ops_fp8.m_grouped(
+                dy_data, dy_scale, w_t, w_scale_t, group_sizes, None, settings.recipe, x_dtype, False, backend
+            )
+        if delayed:
             return _overwritten(ctx, dy), dx, *[None] * 10
-        dw, db = weight_grads_fp8(*wgrad)
-        if need_w and ctx.main_grad is not None and ctx.dummy_wgrad is not None:
-            dw = ctx.dummy_wgrad.detach()
         return _overwritten(ctx, dy), dx, dw, db, *[None] * 8
 
 
