@@ -264,6 +264,28 @@ class GemmTest:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_quantize_transposed_only_matches_full(recipe, backend):
+    """data=False (what GroupedLinear's forward uses after its GEMM) writes the same transposed copy
+    and scales as the full call, and no data; tensorwise refuses it (its copy needs the data call's
+    group scales)."""
+    from moegemm.torch import _ops_fp8
+
+    sizes = [40, 0, 70, 25]
+    x = outliers(150, 208, seed=7).to(DEVICE)
+    gs = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
+    full = _ops_fp8.quantize(x, gs, recipe, torch.float8_e4m3fn, True, len(sizes), backend)
+    t_only = _ops_fp8.quantize(x, gs, recipe, torch.float8_e4m3fn, True, len(sizes), backend, False)
+    assert t_only[0].numel() == 0 and t_only[1].numel() == 0, "data=False returns no data or scale"
+    cols = sum(fp8.cdiv(s, 16) * 16 for s in sizes)
+    blocks = sum(fp8.cdiv(s, 128) for s in sizes) if recipe == "blockwise" else len(sizes)
+    assert torch.equal(as_bytes(t_only[2])[:, :cols], as_bytes(full[2])[:, :cols]), "data_t differs"
+    assert torch.equal(t_only[3][:blocks].cpu(), full[3][:blocks].cpu()), "scale_t differs"
+    with pytest.raises(ValueError, match="transposed copy only"):
+        _ops_fp8.quantize(x, gs, "tensorwise", torch.float8_e4m3fn, True, len(sizes), backend, False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 class TestQuantize(QuantizeTest):
     @pytest.fixture(autouse=True)
     def _backend(self, backend):

@@ -306,10 +306,14 @@ def launch_quantize_fp8(
 ) -> None:
     """Quantizes the rows of x [R, C] (a weight passes [G * N, K] with rows_per_group = N and no
     group_sizes) into q [R, C] and s, and, when qt is given, the transposed copy qt and st. Layouts
-    are ``moegemm.fp8``'s; a weight's qt is [G, C, N] (group-local), an activation's [C, M_t]."""
+    are ``moegemm.fp8``'s; a weight's qt is [G, C, N] (group-local), an activation's [C, M_t].
+    q and s None (rowwise, blockwise activations): the transposed copy alone (its own launch)."""
     R, C = x.shape
     if R == 0 or C == 0 or G == 0:
         return
+    t_only = q is None
+    if t_only:  # placeholders for the skipped data launch's pointers (q's dtype is the cast's)
+        q, s = qt, st
     config, sms = _quantize_config(x.device)
     fp8_max = fp8.FP8_MAX[_dtype_name(q.dtype)]
     has_sizes = group_sizes is not None
@@ -317,24 +321,25 @@ def launch_quantize_fp8(
     bg = max(16, triton.next_power_of_2(G + 1))
     if recipe == "rowwise":
         rows = config.sweep_rows
-        QUANTIZE_ROWS.launch(
-            ("rows", x.device, R, C, G, has_sizes, fp8_max),
-            (x, sizes, q, s),
-            (R, C, G, *x.stride(), *q.stride(), s.stride(-1)),
-            lambda: _Grid(
-                (triton.cdiv(R, rows),),
-                dict(
-                    BLOCK_R=rows,
-                    BLOCK_C=config.sweep_cols,
-                    BLOCK_G=bg,
-                    HAS_SIZES=has_sizes,
-                    NUM_STAGES=config.sweep_stages,
-                    FP8_MAX=fp8_max,
-                    EMULATE_CAST=INTERPRET,
-                    num_warps=config.num_warps,
+        if not t_only:
+            QUANTIZE_ROWS.launch(
+                ("rows", x.device, R, C, G, has_sizes, fp8_max),
+                (x, sizes, q, s),
+                (R, C, G, *x.stride(), *q.stride(), s.stride(-1)),
+                lambda: _Grid(
+                    (triton.cdiv(R, rows),),
+                    dict(
+                        BLOCK_R=rows,
+                        BLOCK_C=config.sweep_cols,
+                        BLOCK_G=bg,
+                        HAS_SIZES=has_sizes,
+                        NUM_STAGES=config.sweep_stages,
+                        FP8_MAX=fp8_max,
+                        EMULATE_CAST=INTERPRET,
+                        num_warps=config.num_warps,
+                    ),
                 ),
-            ),
-        )
+            )
         if qt is not None:
             t_strides = qt.stride() if qt.dim() == 3 else (0, *qt.stride())
             QUANTIZE_COLS.launch(
@@ -384,7 +389,7 @@ def launch_quantize_fp8(
         s_strides, st_strides = s.stride(), (0, 0)
     max_stride = max(map(abs, (*x.stride(), *q.stride(), *t_strides)))
     # data/scale and the transposed copy come from separate launches (fp8_quantize_tiles_kernel says why).
-    for write_q in (True, False) if write_t else (True,):
+    for write_q in (False,) if t_only else (True, False) if write_t else (True,):
         # Offsets within a tile reach its widest side times the largest stride.
         wide = 2 * max(qk.tile_shape(scaling, write_q, config)) * max_stride >= 2**31 or x.numel() >= 2**31
         QUANTIZE_TILES.launch(

@@ -2,7 +2,7 @@
 
 Ops (torch.library, with fake impls; inputs validated by ``moegemm.torch.fp8``)::
 
-    moegemm::quantize_fp8        (x, group_sizes?, recipe, dtype, transpose, G, backend)
+    moegemm::quantize_fp8        (x, group_sizes?, recipe, dtype, transpose, G, backend, data=True)
                                  -> (data, scale, data_t, scale_t)       storage tensors, see below
     moegemm::m_grouped_mm_fp8    (x, sx, w, sw, group_sizes, bias?, recipe, out_dtype, fast_accum, backend) -> out
     moegemm::k_grouped_mm_fp8    (a_t, sa, b_t, sb, group_sizes, M, recipe, out_dtype, fast_accum, backend) -> out
@@ -12,6 +12,9 @@ quantize_fp8 quantizes activations x [M, K] (G groups) or, when x is 3-D, a weig
 returns storage, which ``moegemm.torch.fp8`` turns into views (ops may not return aliases): data
 with rows padded to 16 bytes, a blockwise activation scale as [cdiv(K, 128), M] (M-major), and an
 empty scale_t where scale_t is scale itself (tensorwise) or its transpose (a blockwise weight).
+``data=False`` (rowwise and blockwise activations, with ``transpose``) writes only the transposed copy
+and its scales, data and scale coming back empty: GroupedLinear quantizes x's data for the forward
+GEMM, frees it, then makes the copy the backward keeps, so both never coexist with the output.
 The FP8 ops have no autograd of their own: their inputs are quantized data. GroupedLinear's FP8
 recipes differentiate through the high-precision tensors (moegemm.torch.grouped_linear).
 """
@@ -25,8 +28,12 @@ from moegemm.torch import _ops, reference_fp8
 from moegemm.torch._launch_fp8 import launch_k_grouped_fp8, launch_m_grouped_fp8, launch_quantize_fp8
 
 
-def storage_shapes(shape, recipe: str, G: int, transpose: bool) -> list[tuple[int, ...]]:
+def storage_shapes(shape, recipe: str, G: int, transpose: bool, data: bool = True) -> list[tuple[int, ...]]:
     """Shapes of the four storage tensors quantize_fp8 returns (0-sized for absent ones)."""
+    if not data:
+        if len(shape) != 2 or not transpose or recipe == "tensorwise":
+            raise ValueError("data=False quantizes a rowwise or blockwise activation's transposed copy only")
+        return [(0,), (0,), *storage_shapes(shape, recipe, G, transpose)[2:]]
     if len(shape) == 3:
         _, N, K = shape
         s_shape, _ = fp8.weight_scale_shapes(recipe, G, N, K)
@@ -43,8 +50,8 @@ def storage_shapes(shape, recipe: str, G: int, transpose: bool) -> list[tuple[in
     return [(M, fp8.padded(K)), s_shape, data_t, scale_t]
 
 
-def _quantize_forward(x, group_sizes, recipe, dtype, transpose, G, backend):
-    shapes = storage_shapes(tuple(x.shape), recipe, G, transpose)
+def _quantize_forward(x, group_sizes, recipe, dtype, transpose, G, backend, data=True):
+    shapes = storage_shapes(tuple(x.shape), recipe, G, transpose, data)
     weight = x.dim() == 3
     if backend == "reference":
         if weight:
@@ -54,8 +61,9 @@ def _quantize_forward(x, group_sizes, recipe, dtype, transpose, G, backend):
                 x, group_sizes, recipe, dtype, transpose
             )
         out = [_ops.empty(s, dtype=t, device=x.device) for s, t in zip(shapes, (dtype, torch.float32) * 2)]
-        out[0][..., : data.shape[-1]].copy_(data)
-        out[1].copy_(scale.T if recipe == "blockwise" and not weight else scale)
+        if out[0].numel():
+            out[0][..., : data.shape[-1]].copy_(data)
+            out[1].copy_(scale.T if recipe == "blockwise" and not weight else scale)
         if transpose:
             out[2][..., : data_t.shape[-1]].copy_(data_t)
             if out[3].numel():
@@ -76,8 +84,8 @@ def _quantize_forward(x, group_sizes, recipe, dtype, transpose, G, backend):
         launch_quantize_fp8(rows, None, recipe, q, s, qt, st if transpose else None, rows_per_group=N, G=G)
     else:
         M = x.shape[0]
-        q = data_s[:, :K]
-        s = scale_s.T if recipe == "blockwise" else scale_s
+        q = data_s[:, :K] if data else None
+        s = (scale_s.T if recipe == "blockwise" else scale_s) if data else None
         qt = data_t_s if transpose else None
         st = scale_s if recipe == "tensorwise" else scale_t_s
         launch_quantize_fp8(
@@ -95,21 +103,22 @@ def quantize_fp8_op(
     transpose: bool,
     G: int,
     backend: str,
+    data: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _quantize_forward(x, group_sizes, recipe, dtype, transpose, G, backend)
+    return _quantize_forward(x, group_sizes, recipe, dtype, transpose, G, backend, data)
 
 
 @quantize_fp8_op.register_fake
-def _(x, group_sizes, recipe, dtype, transpose, G, backend):
-    shapes = storage_shapes(tuple(x.shape), recipe, G, transpose)
+def _(x, group_sizes, recipe, dtype, transpose, G, backend, data=True):
+    shapes = storage_shapes(tuple(x.shape), recipe, G, transpose, data)
     return tuple(x.new_empty(s, dtype=t) for s, t in zip(shapes, (dtype, torch.float32) * 2))
 
 
-def quantize(x, group_sizes, recipe: str, dtype, transpose: bool, G: int, backend: str):
+def quantize(x, group_sizes, recipe: str, dtype, transpose: bool, G: int, backend: str, data: bool = True):
     """The four storage tensors (see the module docstring)."""
     if _ops._eager(x, group_sizes):
-        return _quantize_forward(x, group_sizes, recipe, dtype, transpose, G, backend)
-    return quantize_fp8_op(x, group_sizes, recipe, dtype, transpose, G, backend)
+        return _quantize_forward(x, group_sizes, recipe, dtype, transpose, G, backend, data)
+    return quantize_fp8_op(x, group_sizes, recipe, dtype, transpose, G, backend, data)
 
 
 def _m_forward(x, sx, w, sw, group_sizes, bias, recipe, out_dtype, fast_accum, backend, out=None):

@@ -2,7 +2,8 @@
 
 Semantics are GroupedLinear's (moegemm.torch.grouped_linear), on quantized operands::
 
-    x_q = quantize(x, recipe, group_sizes, transpose=True)   # data: fprop; data_t: wgrad
+    x_q = quantize(x, recipe, group_sizes, transpose=True)   # data: fprop; data_t: wgrad (rowwise and
+                                                             # blockwise: data_t made after the fprop)
     w_q = quantize(weight, recipe, transpose=True)           # cached while the weight is unchanged
     y   = m_grouped_mm_fp8(x_q, w_q) + bias                  # bias in the epilogue, y in x's dtype
     dy_q = quantize(dy, recipe, group_sizes, dtype=grad_dtype, transpose=True)
@@ -78,13 +79,19 @@ def quantize_weight(weight: torch.Tensor, settings: Fp8Settings, backend: str):
     return data_s[..., :K], scale_s, data_t_s[..., :N], scale_t
 
 
-def _quantize_activation(t, group_sizes, settings: Fp8Settings, dtype, transpose: bool, backend: str):
+def _quantize_activation(
+    t, group_sizes, settings: Fp8Settings, dtype, transpose: bool, backend: str, data: bool = True
+):
+    """(data, scale, data_t, scale_t) of activations t; data=False (rowwise, blockwise): the
+    transposed copy alone, data and scale None."""
     G = group_sizes.shape[0]
     data_s, scale_s, data_t_s, scale_t_s = _ops_fp8.quantize(
-        t, group_sizes, settings.recipe, dtype, transpose, G, backend
+        t, group_sizes, settings.recipe, dtype, transpose, G, backend, data
     )
-    scale = scale_s.T if settings.recipe == "blockwise" else scale_s
     scale_t = scale_s if settings.recipe == "tensorwise" else scale_t_s
+    if not data:
+        return None, None, data_t_s, scale_t
+    scale = scale_s.T if settings.recipe == "blockwise" else scale_s
     return data_s[:, : t.shape[1]], scale, data_t_s, scale_t
 
 
@@ -99,8 +106,12 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
     ):
         need_x, need_w, need_b = ctx.needs_input_grad[1:4]
         recipe = settings.recipe
+        # Rowwise and blockwise make x's transposed copy (what the backward keeps) after the GEMM, once
+        # x's FP8 data is freed, so the two never coexist with y: the forward's peak holds one FP8 copy
+        # of x. Tensorwise quantizes both in one call (its copy shares the group scales of one amax pass).
+        split = need_w and recipe != "tensorwise"
         x_data, x_scale, x_t, x_scale_t = _quantize_activation(
-            x, group_sizes, settings, torch.float8_e4m3fn, need_w, backend
+            x, group_sizes, settings, torch.float8_e4m3fn, need_w and not split, backend
         )
         w_data, w_scale, w_t, w_scale_t = w_q
         y = _ops_fp8.m_grouped(
@@ -115,6 +126,11 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
             settings.fprop_fast_accum,
             backend,
         )
+        del x_data, x_scale
+        if split:
+            _, _, x_t, x_scale_t = _quantize_activation(
+                x, group_sizes, settings, torch.float8_e4m3fn, True, backend, data=False
+            )
         if out is not None:
             # The FP8 kernel has no out= form yet: one [M, N] temporary, copied.
             y = out.copy_(y)
