@@ -631,6 +631,56 @@ def test_grouped_linear_fp8_delay_and_main_grad(backend, fuse):
     assert relerr(module.bias.grad.cpu(), plain.bias.grad.cpu()) <= 1e-6
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_grouped_linear_fp8_step_order_keeps_one_copy_alive(recipe, monkeypatch):
+    """The order that bounds the step's memory (perf-notes 22): the forward quantizes x's data, runs the
+    GEMM, and only then (rowwise, blockwise) x's transposed copy; the backward runs the wgrad before the
+    dgrad, with dy's transposed copy released in between (its storage freed before dx is allocated)."""
+    import gc
+    import weakref
+
+    from moegemm.torch import _ops_fp8
+
+    events = []
+    quantize, m_grouped, k_out = _ops_fp8.quantize, _ops_fp8.m_grouped, _ops_fp8.k_grouped_out
+
+    def spy_quantize(x, gs, recipe_, dtype, transpose, G, backend, data=True):
+        parts = quantize(x, gs, recipe_, dtype, transpose, G, backend, data)
+        events.append(("quantize", transpose, data))
+        if x.dim() == 2 and x.shape[1] == 24 and transpose:  # dy: watch its transposed copy's storage
+            events.append(("dy_t", weakref.ref(parts[2])))
+        return parts
+
+    def spy_m_grouped(*args):
+        alive = [e[1]() is not None for e in events if e[0] == "dy_t"]
+        events.append(("m_grouped", alive))
+        return m_grouped(*args)
+
+    def spy_k_out(*args):
+        events.append(("k_grouped",))
+        return k_out(*args)
+
+    monkeypatch.setattr(_ops_fp8, "quantize", spy_quantize)
+    monkeypatch.setattr(_ops_fp8, "m_grouped", spy_m_grouped)
+    monkeypatch.setattr(_ops_fp8, "k_grouped_out", spy_k_out)
+    module, _ = fp8_pair(recipe, "reference", fuse_wgrad_accumulation=True)
+    module.weight.main_grad = torch.zeros(3, 24, 40, device=DEVICE)
+    module(outliers(50, 40, 1).to(DEVICE).requires_grad_(), torch.tensor(SIZES, device=DEVICE))
+    gc.collect()
+    steps = [e[:3] if e[0] == "quantize" else e[:1] for e in events if e[0] != "dy_t"]
+    split = recipe != "tensorwise"
+    forward = [("quantize", True, True)] if not split else [("quantize", False, True)]
+    forward += [("m_grouped",)] + ([("quantize", True, False)] if split else [])
+    assert steps[-len(forward) :] == forward, steps
+    events.clear()
+    x = outliers(50, 40, 1).to(DEVICE).requires_grad_()
+    module(x, torch.tensor(SIZES, device=DEVICE)).backward(outliers(50, 24, 2).to(DEVICE))
+    names = [e[0] for e in events]
+    assert names.index("k_grouped") < len(names) - 1 - names[::-1].index("m_grouped"), names
+    dgrad_alive = [e[1] for e in events if e[0] == "m_grouped"][-1]
+    assert dgrad_alive == [False], "dy's transposed copy was still alive when dgrad ran"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_grouped_linear_fp8_out_view_and_e5m2(backend):
     """out= a view of a differentiable buffer, dy in e5m2 (TE's hybrid): x, weight, bias and the
