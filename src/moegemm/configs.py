@@ -59,6 +59,21 @@ class Fp8WsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class WsConfig:
+    """The warp-specialized BF16/FP16 m-grouped kernel (``kernels/m_grouped_ws.py``, sm90): a 128 x
+    block_n output tile (two consumer warpgroups of 64 rows), block_k reduction steps in a ring of
+    num_stages slots, group_m row tiles per swizzle band, consumer_regs registers per consumer thread
+    (setmaxnreg; the loader warpgroup gets the rest of 168 x 12 warps), tma: the loader's copies."""
+
+    block_n: int = 256
+    block_k: int = 64
+    num_stages: int = 4
+    group_m: int = 8
+    consumer_regs: int = 232
+    tma: bool = True  # the TMA loader where it applies (PyTorch, groups back to back), else cp.async
+
+
+@dataclasses.dataclass(frozen=True)
 class QuantizeConfig:
     """FP8 quantize launches. Tile kernels (``quantize_fp8.tiles_geometry``): a data tile is q_rows x
     128 (one 1x128 scale block wide), a transposed-copy tile 128 x t_cols (one group-aligned 128x1 block
@@ -174,6 +189,19 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
         (Fp8WsConfig(128, 6, 8, 200), "128 x 128, 6-deep ring: no spills"),
         (Fp8WsConfig(256, 4, 8, 216), "128 x 256: half the shared-memory bytes per FLOP"),
     ],
+    # BF16/FP16 fwd/dgrad, warp-specialized (perf-notes 23). Consumer registers: beside the TMA loader
+    # 232 spill nothing (240: 60 B); the cp.async loader caps them at 208 (m_grouped_ws).
+    ("m_grouped_ws", "sm90"): [
+        (WsConfig(256, 64, 4), "128 x 256 x 64, TMA, 4-deep ring (192 KB)"),
+        (WsConfig(128, 64, 6), "128 x 128: more tiles where G x tiles is short of a wave"),
+        (WsConfig(256, 64, 4, 8, 208, False), "cp.async loader: no tensor descriptors"),
+    ],
+    # The BF16/FP16 wgrad, warp-specialized (kernels/k_grouped_ws.py): a 128 x block_n out tile,
+    # block_k rows of the reduction a step, cp.async loader (208 consumer registers).
+    ("k_grouped_ws", "sm90"): [
+        (WsConfig(256, 64, 4, 8, 208, False), "128 x 256 out tile, 64-row steps, 4-deep ring (192 KB)"),
+        (WsConfig(128, 64, 6, 8, 208, False), "128 x 128: twice the tiles, 6-deep ring"),
+    ],
     ("quantize_fp8", "interpret"): [
         (QuantizeConfig(32, 32, 8, 8, 4, 1, 4, 8, 32, 32, 16, 1), "interpreter: small tiles")
     ],
@@ -283,6 +311,32 @@ def pick_fp8_ws_config(
     if recipe != "blockwise" and config is wide and M < 256 * max(G, 1):
         return None
     return config
+
+
+def pick_ws_config(
+    *, device_name: str = "", dtype: str = "", G: int = 0, N: int = 0, K: int = 0, M: int = 0
+) -> WsConfig | None:
+    """The warp-specialized m-grouped kernel's config for a BF16/FP16 fwd or dgrad (N the output's
+    columns, K the contraction), or None where the Triton kernel stays faster. A tuned-cache entry for
+    this shape bucket wins if the device has one (``{"triton": true}`` keeps the Triton kernel)."""
+    if device_name:
+        hit = load_cache(device_name).get(cache_key("m_grouped_ws", dtype, G, N, K, M))
+        if hit is not None:
+            return None if hit.get("triton") else WsConfig(**hit)
+    wide, narrow = candidates("m_grouped_ws", "sm90")[:2]
+    return wide if N > narrow.block_n else narrow
+
+
+def pick_k_ws_config(
+    *, device_name: str = "", dtype: str = "", G: int = 0, N: int = 0, K: int = 0, M: int = 0
+) -> WsConfig | None:
+    """The warp-specialized k-grouped kernel's config for a BF16/FP16 wgrad that stores out [G, K, N],
+    or None where the Triton kernel stays faster. A tuned-cache entry wins as in ``pick_ws_config``."""
+    if device_name:
+        hit = load_cache(device_name).get(cache_key("k_grouped_ws", dtype, G, N, K, M))
+        if hit is not None:
+            return None if hit.get("triton") else WsConfig(**hit)
+    return candidates("k_grouped_ws", "sm90")[0]
 
 
 @functools.lru_cache(maxsize=1024)

@@ -1,15 +1,17 @@
-"""What the warp-specialized Gluon kernels (``m_grouped_fp8_ws``, ``k_grouped_fp8_ws``) share: the
-Gluon Hopper imports (with a stand-in where this Triton lacks them, so the modules import and
-``supported()`` answers), the launch's register budget, and the layouts of the loader's copies and
-of the per-program schedule vectors.
+"""What the warp-specialized Gluon kernels (``m_grouped_ws``, ``m_grouped_fp8_ws``, ``k_grouped_fp8_ws``)
+share: the Gluon Hopper imports (with a stand-in where this Triton lacks them, so the modules import
+and ``supported()`` answers), the launch's register budget, the layouts of the loader's copies and of
+the per-program schedule vectors, the ring protocol, and the m-grouped tile space.
 
-Both kernels have the same partitions: a default partition of LOADER_WARPS warps fills an mbarrier
+The kernels have the same partitions: a default partition of LOADER_WARPS warps fills an mbarrier
 ring with cp.async (not TMA: jax-triton 0.3.1 cannot pass host tensor descriptors), and two
-consumer warpgroups each run wgmma -> wait -> promote on half of every tile's rows, so one's promotion
-runs under the other's wgmma.
+consumer warpgroups each run wgmma on half of every tile's rows (FP8: wgmma -> wait -> promote, so
+one's promotion runs under the other's wgmma).
 """
 
 from __future__ import annotations
+
+from moegemm.kernels.schedule import clamped_group_bounds, row_tile_space
 
 try:
     from triton.experimental import gluon
@@ -18,10 +20,16 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
+        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    # triton 3.9 renamed cp.async_copy_global_to_shared (which now raises) to cp.async_load, same arguments.
+    async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+    # Likewise tma.async_copy_global_to_shared -> tma.async_load (desc, coord, barrier, smem).
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     IMPORT_ERROR = None
 except ImportError as e:  # a Triton without (this version of) Gluon's Hopper API
 
@@ -37,11 +45,13 @@ except ImportError as e:  # a Triton without (this version of) Gluon's Hopper AP
         constexpr_function = jit
 
     gluon = gl = _NoGluon()
-    cp = fence_async_shared = mbarrier = warpgroup_mma = warpgroup_mma_wait = None
+    cp = async_load = fence_async_shared = mbarrier = warpgroup_mma = warpgroup_mma_wait = None
+    tma = tma_load = TensorDescriptor = None
     IMPORT_ERROR = e
 
 __all__ = [
     "CONSUMER_WARPS",
+    "async_load",
     "LOADER_WARPS",
     "MAXNREG",
     "copy_layout",
@@ -50,11 +60,14 @@ __all__ = [
     "gl",
     "gluon",
     "mark_slot_loaded",
+    "m_tile_space",
     "mbarrier",
     "release_slot",
     "ring_barriers",
     "sched_layout",
     "supported",
+    "TensorDescriptor",
+    "tma_load",
     "warpgroup_mma",
     "wait_slot_free",
     "wait_slot_ready",
@@ -74,11 +87,11 @@ def supported() -> bool:
 
 
 @gluon.constexpr_function
-def copy_layout(block_k, num_warps):
-    """cp.async pointer tiles: 16 consecutive bytes of the contraction per thread, a warp's threads
-    along it first."""
-    tpw_k = max(1, min(32, block_k // 16))
-    return gl.BlockedLayout([1, 16], [32 // tpw_k, tpw_k], [num_warps, 1], [1, 0])
+def copy_layout(cols, num_warps, vec=16):
+    """cp.async pointer tiles [rows, cols] with cols contiguous in memory: ``vec`` consecutive elements
+    (16 bytes: 16 for FP8, 8 for 2-byte types) per thread, a warp's threads along the columns first."""
+    tpw = max(1, min(32, cols // vec))
+    return gl.BlockedLayout([1, vec], [32 // tpw, tpw], [num_warps, 1], [1, 0])
 
 
 @gluon.constexpr_function
@@ -92,14 +105,18 @@ def sched_layout(num_warps):
 
 
 @gluon.jit
-def ring_barriers(NUM_STAGES: gl.constexpr):
+def ring_barriers(NUM_STAGES: gl.constexpr, TMA: gl.constexpr = False):
     """(ready, empty) [NUM_STAGES] mbarriers: ready[s] completes when every loader thread's copies into
-    slot s landed (one arrive per thread of the launch's default partition), empty[s] when both
-    consumers released it."""
+    slot s landed (one arrive per thread of the launch's default partition; with TMA, the loader's
+    one expect-arrive and the copies' byte count), empty[s] when both consumers released it."""
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    if TMA:
+        ready_count: gl.constexpr = 1
+    else:
+        ready_count: gl.constexpr = 32 * gl.num_warps()
     for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=32 * gl.num_warps())  # one arrive per loader thread
+        mbarrier.init(ready.index(i), count=ready_count)
         mbarrier.init(empty.index(i), count=2)  # one per consumer
     return ready, empty
 
@@ -136,3 +153,18 @@ def wait_slot_ready(ready, step, PROXY_FENCE: gl.constexpr):
 def release_slot(empty, slot):
     """Consumer: done reading ``slot`` (its wgmmas drained)."""
     mbarrier.arrive(empty.index(slot), count=1)
+
+
+@gluon.jit
+def m_tile_space(group_sizes_ptr, G, M, n_tiles, BLOCK_M: gl.constexpr, BLOCK_G: gl.constexpr):
+    """``schedule.group_row_bounds`` + ``row_tile_space`` over an arange with this partition's layout
+    (Gluon's arange needs one); the same clamping, so every partition sees the same tiles.
+    Returns (offs, starts, ends, m_tiles, tile_ends, total_tiles) for ``schedule.locate_row_tile``."""
+    offs = gl.arange(0, BLOCK_G, layout=sched_layout(gl.num_warps()))
+    starts, ends = clamped_group_bounds(group_sizes_ptr, offs, G, M)
+    # int32 once clamped into [0, M] (M is an i32): these vectors stay live through the whole kernel,
+    # and int64 ones cost the consumers registers their accumulators need.
+    starts = starts.to(gl.int32)
+    ends = ends.to(gl.int32)
+    starts, ends, m_tiles, tile_ends, total_tiles = row_tile_space(offs, starts, ends, G, M, n_tiles, BLOCK_M)
+    return offs, starts, ends, m_tiles, tile_ends, total_tiles

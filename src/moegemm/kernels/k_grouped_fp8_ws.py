@@ -35,8 +35,8 @@ from moegemm.kernels.gluon_hopper import (
     CONSUMER_WARPS,
     LOADER_WARPS,
     MAXNREG,
+    async_load,
     copy_layout,
-    cp,
     gl,
     gluon,
     mark_slot_loaded,
@@ -151,16 +151,12 @@ def _loader(
             slot = wait_slot_free(empty, step)
             r = s * BLOCK_R
             r_in = (cp_r < rows16 - r)[None, :]
-            cp.async_copy_global_to_shared(a_bufs.index(slot), a_base + r + a_offs, mask=a_rows & r_in)
-            cp.async_copy_global_to_shared(b_bufs.index(slot), b_base + r + b_offs, mask=b_rows & r_in)
+            async_load(a_bufs.index(slot), a_base + r + a_offs, mask=a_rows & r_in)
+            async_load(b_bufs.index(slot), b_base + r + b_offs, mask=b_rows & r_in)
             if SCALING == 2:
                 blk = (g_block + r // SCALE_BLOCK).to(gl.int64)
-                cp.async_copy_global_to_shared(
-                    sa_bufs.index(slot), sa_base + blk * stride_sag, mask=sc_k < K - k0
-                )
-                cp.async_copy_global_to_shared(
-                    sb_bufs.index(slot), sb_base + blk * stride_sbg, mask=sc_n < N - n0
-                )
+                async_load(sa_bufs.index(slot), sa_base + blk * stride_sag, mask=sc_k < K - k0)
+                async_load(sb_bufs.index(slot), sb_base + blk * stride_sbg, mask=sc_n < N - n0)
             mark_slot_loaded(ready, slot)
             step += 1
 

@@ -36,10 +36,11 @@ from moegemm.kernels.gluon_hopper import (
     CONSUMER_WARPS,
     LOADER_WARPS,
     MAXNREG,
+    async_load,
     copy_layout,
-    cp,
     gl,
     gluon,
+    m_tile_space,
     mark_slot_loaded,
     release_slot,
     ring_barriers,
@@ -50,7 +51,7 @@ from moegemm.kernels.gluon_hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from moegemm.kernels.schedule import clamped_group_bounds, locate_row_tile, row_tile_space
+from moegemm.kernels.schedule import locate_row_tile
 
 SCALINGS = {"tensorwise": 0, "rowwise": 1, "blockwise": 2}
 __all__ = ["LOADER_WARPS", "MAXNREG", "SCALINGS", "MGroupedFp8WsLaunch", "supported", "supported_problem"]
@@ -60,20 +61,6 @@ def supported_problem(K: int, has_group_offset: bool, row_stride: int) -> bool:
     """Problems this kernel takes: K in 16-byte chunks (cp.async), no EP offset, and row offsets inside
     a 256-row tile (``row_stride``: the larger of x's and w's row strides) that fit int32."""
     return supported() and K % 16 == 0 and not has_group_offset and 256 * row_stride < 2**31
-
-
-@gluon.jit
-def _tile_space(group_sizes_ptr, G, M, n_tiles, BLOCK_M: gl.constexpr, BLOCK_G: gl.constexpr):
-    """``schedule.group_row_bounds`` + ``row_tile_space`` over an arange with this partition's layout
-    (Gluon's arange needs one); the same clamping, so every partition sees the same tiles."""
-    offs = gl.arange(0, BLOCK_G, layout=sched_layout(gl.num_warps()))
-    starts, ends = clamped_group_bounds(group_sizes_ptr, offs, G, M)
-    # int32 once clamped into [0, M] (M is an i32): these vectors stay live through the whole kernel,
-    # and int64 ones cost the consumers registers their accumulators need.
-    starts = starts.to(gl.int32)
-    ends = ends.to(gl.int32)
-    starts, ends, m_tiles, tile_ends, total_tiles = row_tile_space(offs, starts, ends, G, M, n_tiles, BLOCK_M)
-    return offs, starts, ends, m_tiles, tile_ends, total_tiles
 
 
 @gluon.jit
@@ -117,7 +104,7 @@ def _loader(
     cp_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
     offs_r = gl.arange(0, BLOCK_M, layout=sched_layout(gl.num_warps()))  # sx: one row per thread
     n_tiles = gl.cdiv(N, BLOCK_N)
-    offs, starts, ends, m_tiles, tile_ends, total_tiles = _tile_space(
+    offs, starts, ends, m_tiles, tile_ends, total_tiles = m_tile_space(
         group_sizes_ptr, G, M, n_tiles, BLOCK_M, BLOCK_G
     )
     step = 0
@@ -140,15 +127,15 @@ def _loader(
             slot = wait_slot_free(empty, step)
             k0 = k * BLOCK_K
             if EVEN_K:
-                cp.async_copy_global_to_shared(a_bufs.index(slot), x_base + k0 + x_offs, mask=a_mask)
-                cp.async_copy_global_to_shared(b_bufs.index(slot), w_base + k0 + w_offs, mask=b_mask)
+                async_load(a_bufs.index(slot), x_base + k0 + x_offs, mask=a_mask)
+                async_load(b_bufs.index(slot), w_base + k0 + w_offs, mask=b_mask)
             else:
                 k_in = (cp_k < K - k0)[None, :]
-                cp.async_copy_global_to_shared(a_bufs.index(slot), x_base + k0 + x_offs, mask=a_mask & k_in)
-                cp.async_copy_global_to_shared(b_bufs.index(slot), w_base + k0 + w_offs, mask=b_mask & k_in)
+                async_load(a_bufs.index(slot), x_base + k0 + x_offs, mask=a_mask & k_in)
+                async_load(b_bufs.index(slot), w_base + k0 + w_offs, mask=b_mask & k_in)
             if SCALING == 2:
                 kb = k0 // SCALE_BLOCK
-                cp.async_copy_global_to_shared(sx_bufs.index(slot), sx_rows + kb * stride_sxk, mask=sx_mask)
+                async_load(sx_bufs.index(slot), sx_rows + kb * stride_sxk, mask=sx_mask)
             mark_slot_loaded(ready, slot)
             step += 1
 
@@ -204,7 +191,7 @@ def _consumer(
     offs_m = gl.arange(0, SUB_M, layout=gl.SliceLayout(1, mma_layout))
     offs_n = gl.arange(0, SUB_N, layout=gl.SliceLayout(0, mma_layout))
     n_tiles = gl.cdiv(N, BLOCK_N)
-    offs, starts, ends, m_tiles, tile_ends, total_tiles = _tile_space(
+    offs, starts, ends, m_tiles, tile_ends, total_tiles = m_tile_space(
         group_sizes_ptr, G, M, n_tiles, BLOCK_M, BLOCK_G
     )
     partial = gl.zeros([SUB_M, SUB_N], gl.float32, mma_layout)

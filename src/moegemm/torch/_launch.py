@@ -19,6 +19,8 @@ import torch
 import triton
 
 from moegemm import configs
+from moegemm.kernels import k_grouped_ws as k_ws
+from moegemm.kernels import m_grouped_ws as ws
 from moegemm.kernels.k_grouped import KGroupedLaunch, k_grouped_mm_kernel
 from moegemm.kernels.m_grouped import MGroupedLaunch, m_grouped_mm_kernel
 
@@ -27,6 +29,10 @@ INTERPRET = bool(triton.knobs.runtime.interpret)
 INTERPRET_PROGRAMS = 3
 # MOEGEMM_DIRECT_LAUNCH=0 sends every launch through JITFunction.run (to measure what the direct path saves).
 DIRECT_LAUNCH = os.environ.get("MOEGEMM_DIRECT_LAUNCH", "1") != "0"
+# MOEGEMM_WS=0 runs every BF16/FP16 m-grouped GEMM on the Triton kernel (the warp-specialized Gluon one
+# otherwise takes the sm90 launches it supports and the config table routes to it). ``WS`` is read at
+# call time, so a benchmark can flip it between impls in one process.
+WS = os.environ.get("MOEGEMM_WS", "1") != "0"
 
 
 @functools.cache
@@ -72,6 +78,52 @@ def _m_launch(M, N, K, G, dtype, device, max_stride, w_k_contiguous, has_bias) -
         w_k_contiguous=w_k_contiguous,
         has_bias=has_bias,
     )
+
+
+@functools.lru_cache(maxsize=16)
+def _ws_device(device: torch.device) -> bool:
+    """Whether the warp-specialized kernels run here: Gluon present, an sm90 GPU (wgmma, setmaxnreg)."""
+    if device.type != "cuda" or INTERPRET or not ws.supported():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _m_ws_launch(M, N, K, G, dtype, device, has_bias, x_stride, w_strides) -> ws.MGroupedWsLaunch | None:
+    """The warp-specialized launch, or None where the Triton kernel runs: a layout the kernel cannot
+    read (``ws.supported_problem``), a device without Gluon's Hopper path, or a shape the config table
+    keeps on the Triton kernel. ``w_strides``: W's (g, k, n) strides. Static facts only."""
+    w_k_contiguous = w_strides[1] == 1
+    w_row = w_strides[2] if w_k_contiguous else w_strides[1]
+    if not (
+        (w_k_contiguous or w_strides[2] == 1)
+        and ws.supported_problem(K, N, w_k_contiguous, False, (x_stride, w_row), dtype.itemsize)
+        and _ws_device(device)
+    ):
+        return None
+    _, device_name, programs = _target(device)
+    config = configs.pick_ws_config(device_name=device_name, dtype=_dtype_name(dtype), G=G, N=N, K=K, M=M)
+    if config is None:
+        return None
+    tma = config.tma and ws.supported_tma(M, N, K, G, w_k_contiguous, w_strides[0], w_row, config.block_k)
+    return ws.MGroupedWsLaunch.make(
+        M, N, K, G, config=config, num_programs_cap=programs, w_k_contiguous=w_k_contiguous, has_bias=has_bias,
+        tma=tma, w_row_stride=w_row,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def _k_ws_launch(M, N, K, G, dtype, device, a_stride, b_stride) -> k_ws.KGroupedWsLaunch | None:
+    """The warp-specialized wgrad launch (store mode, row-major a and b), or None where the Triton
+    kernel runs (``k_ws.supported_problem``, the device, or the config table)."""
+    if not (k_ws.supported_problem(K, N, False, (a_stride, b_stride), dtype.itemsize) and _ws_device(device)):
+        return None
+    _, device_name, programs = _target(device)
+    config = configs.pick_k_ws_config(device_name=device_name, dtype=_dtype_name(dtype), G=G, N=N, K=K, M=M)
+    if config is None:
+        return None
+    return k_ws.KGroupedWsLaunch.make(M, N, K, G, config=config, num_programs_cap=programs)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -127,12 +179,14 @@ class DirectLaunch:
         )
 
     def launch(self, spec: tuple, tensors: tuple, ints: tuple, describe) -> None:
-        device = tensors[0].device
+        device = tensors[-1].device  # the output: a tensor, where the first may be a TensorDescriptor
         direct = self._direct()
         if direct:
             # One flat tuple: hashing it is most of the hit path's cost.
-            aligned = sum(1 << i for i, t in enumerate(tensors) if t.data_ptr() % 16 == 0)
-            key = (*spec, *ints, aligned, *[t.dtype for t in tensors])
+            # A TensorDescriptor (TMA kernels) is keyed by its base tensor; its shapes are in spec.
+            bases = [getattr(t, "base", t) for t in tensors]
+            aligned = sum(1 << i for i, t in enumerate(bases) if t.data_ptr() % 16 == 0)
+            key = (*spec, *ints, aligned, *[t.dtype for t in bases])
             entry = self.bound.get(key)
             if entry is not None:
                 run, function, packed_metadata, (grid_0, grid_1, grid_2), constexprs = entry
@@ -186,14 +240,23 @@ def _device_guard(device: torch.device):
 
 
 M_GROUPED = DirectLaunch(m_grouped_mm_kernel)
+M_GROUPED_WS = DirectLaunch(ws.m_grouped_mm_ws_kernel)
+M_GROUPED_WS_TMA = DirectLaunch(ws.m_grouped_mm_ws_tma_kernel)
+K_GROUPED_WS = DirectLaunch(k_ws.k_grouped_mm_ws_kernel)
 K_GROUPED = DirectLaunch(k_grouped_mm_kernel)
 
 
 def clear_launch_cache() -> None:
     """Forget memoized and bound launches (after the config cache or pick_config changed, e.g. while tuning)."""
     _m_launch.cache_clear()
+    _m_ws_launch.cache_clear()
+    _ws_device.cache_clear()
     _k_launch.cache_clear()
     M_GROUPED.clear()
+    M_GROUPED_WS.clear()
+    M_GROUPED_WS_TMA.clear()
+    K_GROUPED_WS.clear()
+    _k_ws_launch.cache_clear()
     K_GROUPED.clear()
 
 
@@ -215,6 +278,25 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
         return
     sx, so = x.stride(), out.stride()
     sb = (0, 0) if bias is None else bias.stride()
+    if WS and x.is_cuda and sx[1] == 1 and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0:
+        ws_launch = _m_ws_launch(M, N, K, G, x.dtype, x.device, bias is not None, sx[0], sw)
+        if ws_launch is not None:
+            b = x if bias is None else bias
+            key = ("ws", M, N, K, G, x.dtype, x.device, bias is not None, sx[0], sw)
+            if ws_launch.tma:
+                x_desc, w_desc = ws_launch.descriptors(x, w)
+                M_GROUPED_WS_TMA.launch(
+                    key, (x_desc, w_desc, group_sizes, b, out), (M, N, K, G, *so, *sb), lambda: ws_launch
+                )
+            else:
+                w_row = sw[2] if ws_launch.meta["W_K_CONTIGUOUS"] else sw[1]
+                M_GROUPED_WS.launch(
+                    key,
+                    (x, w, group_sizes, b, out),
+                    (M, N, K, G, sx[0], sw[0], w_row, *so, *sb),
+                    lambda: ws_launch,
+                )
+            return
     spec = (
         M,
         N,
@@ -243,6 +325,25 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) ->
     if G == 0 or K == 0 or (N == 0 and a_colsum is None):
         return
     sa, sb, so = a.stride(), b.stride(), out.stride()
+    if (
+        WS
+        and a.is_cuda
+        and not accumulate
+        and a_colsum is None
+        and sa[1] == 1
+        and sb[1] == 1
+        and a.data_ptr() % 16 == 0
+        and b.data_ptr() % 16 == 0
+    ):
+        ws_launch = _k_ws_launch(M, N, K, G, a.dtype, a.device, sa[0], sb[0])
+        if ws_launch is not None:
+            K_GROUPED_WS.launch(
+                ("ws", M, N, K, G, a.dtype, a.device, sa[0], sb[0], out.dtype),
+                (a, b, group_sizes, out),
+                (M, K, N, G, sa[0], sb[0], *so),
+                lambda: ws_launch,
+            )
+            return
     ss = (0, 0) if a_colsum is None else a_colsum.stride()
     spec = (
         M,
