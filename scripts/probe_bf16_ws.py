@@ -3,7 +3,6 @@ the Triton kernel and torch._grouped_mm, on fwd (K-contiguous weight) and dgrad 
 
     OUT=/tmp/probe python scripts/probe_bf16_ws.py check      # correctness, both layouts, edge cases
     OUT=/tmp/probe python scripts/probe_bf16_ws.py time [--cases suite,heldout] [--configs 256x64x4,128x64x6]
-    OUT=/tmp/probe python scripts/probe_bf16_ws.py check-k|time-k ...   # the k-grouped (wgrad) kernel
 
 check: NaN-poisoned output, relerr against an fp64 product, rows past sum(group_sizes) exactly 0,
 for each forced config. time: triton.testing.do_bench medians (CUDA events; inputs not rotated, so
@@ -43,28 +42,11 @@ def parse_config(text: str) -> configs.WsConfig:
     return configs.WsConfig(bn, bk, stages, group_m, rest[0] if rest else 232, tma)
 
 
-def force(config, k_config=None) -> None:
-    """config / k_config: the m- / k-grouped WsConfig, or None for the Triton kernel."""
-    _launch.WS = config is not None or k_config is not None
+def force(config) -> None:
+    """config: a WsConfig, or None for the Triton kernel."""
+    _launch.WS = config is not None
     configs.pick_ws_config = lambda **_: config
-    configs.pick_k_ws_config = lambda **_: k_config
     _launch.clear_launch_cache()
-
-
-def run_k(a, b, gs, out_dtype=torch.bfloat16):
-    """k_grouped through the launcher: out [G, K, N] = a[rows]^T @ b[rows], NaN-poisoned first."""
-    out = torch.full((gs.shape[0], a.shape[1], b.shape[1]), float("nan"), device=a.device, dtype=out_dtype)
-    _launch.launch_k_grouped(a, b, gs, out, False)
-    return out
-
-
-def reference_k(a, b, sizes):
-    out = torch.zeros(len(sizes), a.shape[1], b.shape[1], dtype=torch.float64, device=a.device)
-    row = 0
-    for g, n in enumerate(sizes):
-        out[g] = a[row : row + n].double().T @ b[row : row + n].double()
-        row += n
-    return out
 
 
 def run(x, w, gs, bias=None, out=None):
@@ -151,80 +133,6 @@ def check(config_texts) -> None:
                     )  # fmt: skip
 
 
-def check_k(config_texts) -> None:
-    cases = [
-        ("skew-empty-tail", 300, 256, 384, [100, 0, 150, 20]),
-        ("k1040-n208-dirichlet", 777, 1040, 208, shapes.group_sizes(770, 6, seed=5, empty=2)),
-        ("one-hot", 640, 512, 256, [0, 0, 640, 0]),
-        ("all-empty", 64, 128, 128, [0, 0, 0]),
-        ("odd-rows", 129, 48, 48, [64, 1, 64]),
-        ("many-tiles", 4096, 2048, 1024, shapes.group_sizes(4000, 32, seed=1)),
-        ("negative-size", 40, 128, 128, [10, -5, 20]),
-        ("sum-above-M", 40, 128, 128, [30, 0, 25]),
-        ("huge-size", 40, 128, 128, [2**31 - 1, 3]),
-    ]
-    calls = []
-    launch = _launch.K_GROUPED_WS.launch
-    _launch.K_GROUPED_WS.launch = lambda *a: (calls.append(1), launch(*a))
-    for text in config_texts:
-        force(None, parse_config(text))
-        for name, M, K, N, sizes in cases:
-            for dtype, out_dtype in (
-                (torch.bfloat16, torch.bfloat16),
-                (torch.bfloat16, torch.float32),
-                (torch.float16, torch.float16),
-            ):
-                gen = torch.Generator(device="cuda").manual_seed(len(calls))
-                a = torch.randn(M, K, device="cuda", generator=gen).to(dtype)
-                b = torch.randn(M, N, device="cuda", generator=gen).to(dtype)
-                gs = torch.tensor(sizes, dtype=torch.int64, device="cuda")
-                before = len(calls)
-                out = run_k(a, b, gs, out_dtype)
-                torch.cuda.synchronize()
-                clamped = clamp_sizes(sizes, M)
-                want = reference_k(a, b, clamped)
-                empty_zero = all(bool((out[g] == 0).all()) for g, n in enumerate(clamped) if n == 0)
-                err = relerr(out, want) if want.norm() > 0 else float(out.abs().max())
-                tol = 4e-3 if out_dtype != torch.float32 else 1e-5
-                record(
-                    kind="check_k", config=text, case=name, dtype=str(dtype), out=str(out_dtype),
-                    ws=len(calls) > before, relerr=err, nan=bool(out.isnan().any()), empty_zero=empty_zero,
-                    ok=err <= tol and not out.isnan().any() and empty_zero and len(calls) > before,
-                )  # fmt: skip
-
-
-def time_k(case_names, config_texts) -> None:
-    variants = [(t, parse_config(t)) for t in config_texts] + [("triton", None)]
-    for name in case_names:
-        case = shapes.get(name)
-        sizes = shapes.group_sizes(case.M, case.G)
-        gs = torch.tensor(sizes, dtype=torch.int32, device="cuda")
-        offs = gs.cumsum(0).to(torch.int32)
-        x = torch.randn(case.M, case.K, device="cuda", dtype=torch.bfloat16)
-        dy = torch.randn(case.M, case.N, device="cuda", dtype=torch.bfloat16)
-        peer = lambda dy=dy, x=x, offs=offs: torch._grouped_mm(dy.t(), x, offs=offs, out_dtype=torch.bfloat16)  # noqa: E731
-        want = peer().double()
-        flops = 2 * case.M * case.K * case.N
-        row = dict(kind="time", case=name, op="wgrad", G=case.G, M=case.M, K=case.K, N=case.N)
-        row["torch_ms"] = triton.testing.do_bench(peer, warmup=10, rep=60, return_mode="median")
-        for label, config in variants:
-            force(None, config)
-            try:
-                out = run_k(dy, x, gs)
-                row[f"{label}_relerr_vs_torch"] = relerr(out.float(), want)
-                ms = triton.testing.do_bench(
-                    lambda dy=dy, x=x, gs=gs: run_k(dy, x, gs), warmup=10, rep=60, return_mode="median"
-                )
-                row[f"{label}_ms"] = ms
-                row[f"{label}_tflops"] = flops / ms / 1e9
-            except Exception as e:
-                row[f"{label}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        best = min((row[k], k) for k in row if k.endswith("_ms") and k != "torch_ms")
-        row["best"] = best[1].removesuffix("_ms")
-        row["best_vs_torch"] = row["torch_ms"] / best[0]
-        record(**row)
-
-
 def time_cases(case_names, config_texts) -> None:
     variants = [(t, parse_config(t)) for t in config_texts] + [("triton", None)]
     for name in case_names:
@@ -249,7 +157,10 @@ def time_cases(case_names, config_texts) -> None:
                     out = run(a, b, gs)
                     err = relerr(out.float(), want.double())
                     ms = triton.testing.do_bench(
-                        lambda a=a, b=b, gs=gs: run(a, b, gs), warmup=10, rep=60, return_mode="median"
+                        lambda a=a, b=b, gs=gs: run(a, b, gs, poison=False),
+                        warmup=10,
+                        rep=60,
+                        return_mode="median",
                     )
                     row[f"{label}_ms"] = ms
                     row[f"{label}_tflops"] = flops / ms / 1e9
@@ -264,15 +175,13 @@ def time_cases(case_names, config_texts) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=["check", "time", "check-k", "time-k"])
+    p.add_argument("what", choices=["check", "time"])
     p.add_argument("--cases", default="suite,heldout")
     p.add_argument("--configs", default="256x64x4,128x64x6")
     args = p.parse_args()
     config_texts = args.configs.split(",")
     if args.what == "check":
         check(config_texts)
-    elif args.what == "check-k":
-        check_k(config_texts)
     else:
         names = []
         for part in args.cases.split(","):
@@ -280,7 +189,7 @@ def main() -> int:
                 names += [c.name for c in (shapes.SUITE if part == "suite" else shapes.HELDOUT)]
             else:
                 names.append(part)
-        (time_cases if args.what == "time" else time_k)(names, config_texts)
+        time_cases(names, config_texts)
     return 0
 
 

@@ -196,12 +196,6 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
         (WsConfig(128, 64, 6), "128 x 128: more tiles where G x tiles is short of a wave"),
         (WsConfig(256, 64, 4, 8, 208, False), "cp.async loader: no tensor descriptors"),
     ],
-    # The BF16/FP16 wgrad, warp-specialized (kernels/k_grouped_ws.py): a 128 x block_n out tile,
-    # block_k rows of the reduction a step, cp.async loader (208 consumer registers).
-    ("k_grouped_ws", "sm90"): [
-        (WsConfig(256, 64, 4, 8, 208, False), "128 x 256 out tile, 64-row steps, 4-deep ring (192 KB)"),
-        (WsConfig(128, 64, 6, 8, 208, False), "128 x 128: twice the tiles, 6-deep ring"),
-    ],
     ("quantize_fp8", "interpret"): [
         (QuantizeConfig(32, 32, 8, 8, 4, 1, 4, 8, 32, 32, 16, 1), "interpreter: small tiles")
     ],
@@ -325,18 +319,6 @@ def pick_ws_config(
             return None if hit.get("triton") else WsConfig(**hit)
     wide, narrow = candidates("m_grouped_ws", "sm90")[:2]
     return wide if N > narrow.block_n else narrow
-
-
-def pick_k_ws_config(
-    *, device_name: str = "", dtype: str = "", G: int = 0, N: int = 0, K: int = 0, M: int = 0
-) -> WsConfig | None:
-    """The warp-specialized k-grouped kernel's config for a BF16/FP16 wgrad that stores out [G, K, N],
-    or None where the Triton kernel stays faster. A tuned-cache entry wins as in ``pick_ws_config``."""
-    if device_name:
-        hit = load_cache(device_name).get(cache_key("k_grouped_ws", dtype, G, N, K, M))
-        if hit is not None:
-            return None if hit.get("triton") else WsConfig(**hit)
-    return candidates("k_grouped_ws", "sm90")[0]
 
 
 @functools.lru_cache(maxsize=1024)

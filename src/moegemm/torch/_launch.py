@@ -19,7 +19,6 @@ import torch
 import triton
 
 from moegemm import configs
-from moegemm.kernels import k_grouped_ws as k_ws
 from moegemm.kernels import m_grouped_ws as ws
 from moegemm.kernels.k_grouped import KGroupedLaunch, k_grouped_mm_kernel
 from moegemm.kernels.m_grouped import MGroupedLaunch, m_grouped_mm_kernel
@@ -29,10 +28,10 @@ INTERPRET = bool(triton.knobs.runtime.interpret)
 INTERPRET_PROGRAMS = 3
 # MOEGEMM_DIRECT_LAUNCH=0 sends every launch through JITFunction.run (to measure what the direct path saves).
 DIRECT_LAUNCH = os.environ.get("MOEGEMM_DIRECT_LAUNCH", "1") != "0"
-# MOEGEMM_WS=0 runs every BF16/FP16 m-grouped GEMM on the Triton kernel (the warp-specialized Gluon one
-# otherwise takes the sm90 launches it supports and the config table routes to it). ``WS`` is read at
-# call time, so a benchmark can flip it between impls in one process.
-WS = os.environ.get("MOEGEMM_WS", "1") != "0"
+# MOEGEMM_WS=1 sends the BF16/FP16 m-grouped launches it supports on sm90 to the warp-specialized Gluon
+# kernel (kernels/m_grouped_ws.py). Off by default: on the H100 it ran at 0.88-1.09x of the Triton
+# kernel (perf-notes 23). ``WS`` is read at call time, so a probe can flip it in one process.
+WS = os.environ.get("MOEGEMM_WS", "0") == "1"
 
 
 @functools.cache
@@ -111,19 +110,6 @@ def _m_ws_launch(M, N, K, G, dtype, device, has_bias, x_stride, w_strides) -> ws
         M, N, K, G, config=config, num_programs_cap=programs, w_k_contiguous=w_k_contiguous, has_bias=has_bias,
         tma=tma, w_row_stride=w_row,
     )  # fmt: skip
-
-
-@functools.lru_cache(maxsize=4096)
-def _k_ws_launch(M, N, K, G, dtype, device, a_stride, b_stride) -> k_ws.KGroupedWsLaunch | None:
-    """The warp-specialized wgrad launch (store mode, row-major a and b), or None where the Triton
-    kernel runs (``k_ws.supported_problem``, the device, or the config table)."""
-    if not (k_ws.supported_problem(K, N, False, (a_stride, b_stride), dtype.itemsize) and _ws_device(device)):
-        return None
-    _, device_name, programs = _target(device)
-    config = configs.pick_k_ws_config(device_name=device_name, dtype=_dtype_name(dtype), G=G, N=N, K=K, M=M)
-    if config is None:
-        return None
-    return k_ws.KGroupedWsLaunch.make(M, N, K, G, config=config, num_programs_cap=programs)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -242,7 +228,6 @@ def _device_guard(device: torch.device):
 M_GROUPED = DirectLaunch(m_grouped_mm_kernel)
 M_GROUPED_WS = DirectLaunch(ws.m_grouped_mm_ws_kernel)
 M_GROUPED_WS_TMA = DirectLaunch(ws.m_grouped_mm_ws_tma_kernel)
-K_GROUPED_WS = DirectLaunch(k_ws.k_grouped_mm_ws_kernel)
 K_GROUPED = DirectLaunch(k_grouped_mm_kernel)
 
 
@@ -255,8 +240,6 @@ def clear_launch_cache() -> None:
     M_GROUPED.clear()
     M_GROUPED_WS.clear()
     M_GROUPED_WS_TMA.clear()
-    K_GROUPED_WS.clear()
-    _k_ws_launch.cache_clear()
     K_GROUPED.clear()
 
 
@@ -325,25 +308,6 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) ->
     if G == 0 or K == 0 or (N == 0 and a_colsum is None):
         return
     sa, sb, so = a.stride(), b.stride(), out.stride()
-    if (
-        WS
-        and a.is_cuda
-        and not accumulate
-        and a_colsum is None
-        and sa[1] == 1
-        and sb[1] == 1
-        and a.data_ptr() % 16 == 0
-        and b.data_ptr() % 16 == 0
-    ):
-        ws_launch = _k_ws_launch(M, N, K, G, a.dtype, a.device, sa[0], sb[0])
-        if ws_launch is not None:
-            K_GROUPED_WS.launch(
-                ("ws", M, N, K, G, a.dtype, a.device, sa[0], sb[0], out.dtype),
-                (a, b, group_sizes, out),
-                (M, K, N, G, sa[0], sb[0], *so),
-                lambda: ws_launch,
-            )
-            return
     ss = (0, 0) if a_colsum is None else a_colsum.stride()
     spec = (
         M,

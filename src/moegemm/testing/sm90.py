@@ -1,0 +1,152 @@
+"""Compile the warp-specialized Gluon kernels for sm_90a on a machine without a GPU.
+
+CI has no GPU, and the interpreter cannot run Gluon, so a Triton release that renames a Gluon API
+(triton 3.9 turned ``cp.async_copy_global_to_shared`` and ``tma.async_copy_global_to_shared`` into
+``async_load``) would otherwise surface only on a user's H100. This runs Triton's compiler for
+``GPUTarget("cuda", 90, 32)`` down to a cubin, then the bundled ptxas with ``-v`` for the spill count
+(None where that ptxas does not take the PTX version Triton wrote).
+
+    python -m moegemm.testing.sm90 [kernel ...]    # one JSON line per kernel
+
+Run it in a process without TRITON_INTERPRET: under the interpreter the @triton.jit helpers the
+Gluon kernels call are interpreted functions, which the compiler refuses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+
+from moegemm import configs
+from moegemm.kernels import k_grouped_fp8_ws, m_grouped_fp8_ws, m_grouped_ws
+from moegemm.kernels.gluon_hopper import TensorDescriptor, gl
+
+__all__ = ["KERNELS", "compile_kernel"]
+
+# A realistic specialization per kernel: (G, M, N, K) of dsv3-ep8-fc1 and the default configs.
+G, M, N, K = 32, 32768, 4096, 7168
+
+
+def _m_grouped_ws(w_k_contiguous: bool, tma: bool):
+    config = configs.WsConfig(tma=tma)
+    launch = m_grouped_ws.MGroupedWsLaunch.make(
+        M, N, K, G, config=config, num_programs_cap=132, w_k_contiguous=w_k_contiguous, has_bias=True, tma=tma,
+        w_row_stride=K if w_k_contiguous else N,
+    )  # fmt: skip
+    pointers = {
+        "x_ptr": "*bf16",
+        "w_ptr": "*bf16",
+        "group_sizes_ptr": "*i32",
+        "bias_ptr": "*bf16",
+        "out_ptr": "*bf16",
+    }
+    if tma:
+        x = torch.empty(16, 16, dtype=torch.bfloat16)  # only its dtype and alignment matter here
+        bn, bk = launch.meta["BLOCK_N"], launch.meta["BLOCK_K"]
+        block = [bn, bk] if w_k_contiguous else [bk, bn]
+        pointers["x_desc"] = _desc(x, [128, bk])
+        pointers["w_desc"] = _desc(x, block)
+        return m_grouped_ws.m_grouped_mm_ws_tma_kernel, launch.meta, pointers
+    return m_grouped_ws.m_grouped_mm_ws_kernel, launch.meta, pointers
+
+
+def _desc(t, block):
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    return triton.runtime.jit.mangle_type(TensorDescriptor(t, [16, 16], [16, 1], block, layout))
+
+
+def _m_grouped_fp8_ws():
+    config = configs.candidates("m_grouped_fp8_ws", "sm90")[0]
+    launch = m_grouped_fp8_ws.MGroupedFp8WsLaunch.make(
+        M, N, K, G, recipe="blockwise", config=config, num_programs_cap=132, has_bias=True
+    )
+    pointers = {
+        "x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "sx_ptr": "*fp32", "sw_ptr": "*fp32", "group_sizes_ptr": "*i32",
+        "bias_ptr": "*fp32", "out_ptr": "*bf16",
+    }  # fmt: skip
+    return m_grouped_fp8_ws.m_grouped_mm_fp8_ws_kernel, launch.meta, pointers
+
+
+def _k_grouped_fp8_ws():
+    config = configs.candidates("k_grouped_fp8_ws", "sm90")[0]
+    launch = k_grouped_fp8_ws.KGroupedFp8WsLaunch.make(
+        M, N, K, G, recipe="blockwise", config=config, num_programs_cap=132, accumulate=True
+    )
+    pointers = {
+        "a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "group_sizes_ptr": "*i32",
+        "c_ptr": "*fp32", "out_ptr": "*fp32",
+    }  # fmt: skip
+    return k_grouped_fp8_ws.k_grouped_mm_fp8_ws_kernel, launch.meta, pointers
+
+
+KERNELS = {
+    "m_grouped_ws-k-contiguous": lambda: _m_grouped_ws(True, False),
+    "m_grouped_ws-n-contiguous": lambda: _m_grouped_ws(False, False),
+    "m_grouped_ws_tma-k-contiguous": lambda: _m_grouped_ws(True, True),
+    "m_grouped_ws_tma-n-contiguous": lambda: _m_grouped_ws(False, True),
+    "m_grouped_fp8_ws": _m_grouped_fp8_ws,
+    "k_grouped_fp8_ws": _k_grouped_fp8_ws,
+}
+
+
+def compile_kernel(name: str) -> dict:
+    """{"kernel", "shared" (bytes), "spill_bytes" (None if unknown)} of one KERNELS entry, compiled for
+    sm_90a. Arguments that are neither constexprs nor pointers are i32 runtime ints with the
+    16-divisibility a real launch of a suite shape specializes on, except M (tokens: any count)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn, meta, pointers = KERNELS[name]()
+    signature, constexprs, attrs = {}, {}, {}
+    for i, param in enumerate(fn.params):
+        if param.name in pointers:
+            signature[param.name] = pointers[param.name]
+            if pointers[param.name].startswith("*"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif param.name in meta:
+            signature[param.name] = "constexpr"
+            constexprs[(i,)] = meta[param.name]
+        else:
+            signature[param.name] = "i32"
+            if param.name != "M":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    options = {"num_warps": meta["num_warps"], "maxnreg": meta["maxnreg"]}
+    compiled = triton.compile(
+        GluonASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32), options=options
+    )
+    return {"kernel": name, "shared": compiled.metadata.shared, "spill_bytes": _spills(compiled.asm["ptx"])}
+
+
+def _spills(ptx: str) -> int | None:
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        cmd = [
+            triton.knobs.nvidia.ptxas.path,
+            "-v",
+            "--gpu-name=sm_90a",
+            path,
+            "-o",
+            os.path.join(d, "k.cubin"),
+        ]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+    found = re.search(r"(\d+) bytes spill stores", result.stderr)
+    return int(found.group(1)) if result.returncode == 0 and found else None
+
+
+def main(argv: list[str]) -> int:
+    for name in argv or list(KERNELS):
+        print(json.dumps(compile_kernel(name)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,38 @@
+"""The warp-specialized Gluon kernels compile for sm_90a with this Triton (no GPU needed).
+
+CI runs this on both Triton legs: triton 3.9 removed the Gluon copy entry points the kernels first
+used (cp/tma ``async_copy_global_to_shared`` -> ``async_load``), which only a compile shows. The
+compile runs in a child process without TRITON_INTERPRET (moegemm.testing.sm90 says why).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from moegemm.kernels import gluon_hopper
+from moegemm.testing import sm90
+
+# Dynamic shared memory a block may use on sm90 (227 KB).
+SM90_MAX_SHARED = 232448
+
+
+@pytest.mark.skipif(not gluon_hopper.supported(), reason="this Triton has no Gluon Hopper API")
+def test_gluon_kernels_compile_for_sm90(tmp_path):
+    # A fresh Triton cache: its key does not cover module-level aliases such as gluon_hopper.async_load,
+    # so a cached kernel could hide a compile error.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {
+        "TRITON_CACHE_DIR": str(tmp_path)
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "moegemm.testing.sm90"], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    compiled = {r["kernel"]: r for r in map(json.loads, result.stdout.splitlines())}
+    assert set(compiled) == set(sm90.KERNELS), compiled
+    for name, r in compiled.items():
+        assert 0 < r["shared"] <= SM90_MAX_SHARED, (name, r)
