@@ -18,7 +18,7 @@ from moegemm.kernels import m_grouped_fp8_ws as ws
 from moegemm.kernels import quantize_fp8 as qk
 from moegemm.kernels.k_grouped_fp8 import KGroupedFp8Launch, k_grouped_mm_fp8_kernel
 from moegemm.kernels.m_grouped_fp8 import MGroupedFp8Launch, m_grouped_mm_fp8_kernel
-from moegemm.torch._launch import INTERPRET, DirectLaunch, _dtype_name, _target
+from moegemm.torch._launch import INTERPRET, DirectLaunch, _dtype_name, _target, _ws_device
 
 M_GROUPED_FP8 = DirectLaunch(m_grouped_mm_fp8_kernel)
 M_GROUPED_FP8_WS = DirectLaunch(ws.m_grouped_mm_fp8_ws_kernel)
@@ -87,15 +87,6 @@ def _m_launch(M, N, K, G, recipe, dtype, device, max_stride, has_bias, fast_accu
         has_bias=has_bias,
         fast_accum=fast_accum,
     )
-
-
-@functools.lru_cache(maxsize=16)
-def _ws_device(device: torch.device) -> bool:
-    """Whether the warp-specialized kernel runs here: Gluon present, an sm90 GPU (wgmma, setmaxnreg)."""
-    if device.type != "cuda" or INTERPRET or not ws.supported():
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index) == (9, 0)
 
 
 @functools.lru_cache(maxsize=4096)
