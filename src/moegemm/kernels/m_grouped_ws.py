@@ -29,7 +29,6 @@ offset (expert parallelism keeps the Triton kernel), tile offsets that fit int32
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import triton
 
@@ -66,11 +65,13 @@ VEC = gl.constexpr(8) if supported() else 8  # 2-byte elements per 16-byte cp.as
 
 
 def supported_problem(
-    K: int, N: int, w_k_contiguous: bool, has_group_offset: bool, row_strides: tuple[int, ...], itemsize: int
-) -> bool:
+    K: int, N: int, w_k_contiguous: bool, has_group_offset: bool, row_strides: tuple[int, ...], itemsize: int,
+    col_strides: tuple[int, ...] = (),
+) -> bool:  # fmt: skip
     """Problems this kernel takes. ``row_strides``: x's row stride and w's stride along its
     non-contiguous dimension (each a multiple of 16 elements, so every 16-byte chunk is aligned);
-    offsets inside a 256-row tile must fit int32."""
+    offsets inside a 256-row tile, one expert's weight (N-contiguous) and a row of out or bias
+    (``col_strides``: their column strides) must fit int32."""
     contiguous = (K,) if w_k_contiguous else (K, N)
     return (
         supported()
@@ -79,6 +80,8 @@ def supported_problem(
         and K > 0
         and all(d % 16 == 0 for d in contiguous)
         and all(s % 16 == 0 and 0 < s and 256 * s < 2**31 for s in row_strides)
+        and (w_k_contiguous or (K + 64) * row_strides[-1] < 2**31)
+        and all(abs(s) * (N + 256) < 2**31 for s in col_strides)
     )
 
 
@@ -397,7 +400,9 @@ def m_grouped_mm_ws_tma_kernel(
 @dataclasses.dataclass(frozen=True)
 class MGroupedWsLaunch:
     """Grid and meta-parameters of one m_grouped_mm_ws_kernel (or, with ``tma``, m_grouped_mm_ws_tma_kernel)
-    launch, from static shapes only; ``descriptors`` makes the TMA kernel's two tensor descriptors."""
+    launch, from static shapes only. The TMA kernel's descriptors are the front end's to build (x [M, K]
+    with block [BLOCK_M, BLOCK_K]; W's 2-D view, rows ``w_row_stride`` apart, block [BLOCK_N, BLOCK_K]
+    K-contiguous or [BLOCK_K, BLOCK_N] N-contiguous; NVMMA-swizzled layouts)."""
 
     grid: tuple[int]
     meta: dict
@@ -438,22 +443,6 @@ class MGroupedWsLaunch:
             )
         return MGroupedWsLaunch(grid=(num_programs,), meta=meta, tma=tma, w_row_stride=w_row_stride)
 
-    def descriptors(self, x, w) -> tuple:
-        """TMA descriptors over x [M, K] and W's 2-D view ([G * N, K] K-contiguous, [G * K, N] else),
-        for torch tensors x and w (w: the [G, N, K] or [G, K, N] storage W is read from)."""
-        meta = self.meta
-        bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
-        M, K = x.shape
-        G = w.shape[0]
-        dtype = _GL_DTYPES[x.dtype]
-        if meta["W_K_CONTIGUOUS"]:
-            w_shape, w_block = [G * (w.numel() // (G * K)), K], [bn, bk]
-        else:
-            w_shape, w_block = [G * K, w.numel() // (G * K)], [bk, bn]
-        x_desc = TensorDescriptor(x, [M, K], [x.stride(0), 1], [bm, bk], _nvmma_layout(bm, bk, dtype))
-        w_desc = TensorDescriptor(w, w_shape, [self.w_row_stride, 1], w_block, _nvmma_layout(*w_block, dtype))
-        return x_desc, w_desc
-
 
 def supported_tma(
     M: int, N: int, K: int, G: int, w_k_contiguous: bool, w_g_stride: int, w_row: int, block_k: int
@@ -469,15 +458,3 @@ def supported_tma(
         and G * rows < 2**31
         and M < 2**31
     )
-
-
-_GL_DTYPES = {}
-if supported():
-    import torch
-
-    _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-
-
-@functools.cache
-def _nvmma_layout(rows: int, cols: int, dtype):
-    return gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
