@@ -2,7 +2,7 @@
 (it is opt-in, MOEGEMM_WS=1), against the fp64 oracle: both loaders (TMA, cp.async), both tile widths,
 both weight layouts (fwd: K-contiguous, dgrad: N-contiguous), bias, fp16, edge cases and bad sizes; a
 spy makes sure the kernel that ran is the one under test. The CPU side of this kernel is the compile
-test (test_gluon_sm90.py); it has no interpreter mode (Gluon does not run under TRITON_INTERPRET).
+test (test_sm90_compile.py); it has no interpreter mode (Gluon does not run under TRITON_INTERPRET).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""Compile the warp-specialized Gluon kernels for sm_90a on a machine without a GPU.
+"""Compile the GPU kernels for sm_90a on a machine without a GPU: the warp-specialized Gluon kernels and
+the BF16 Triton kernels every default launch uses.
 
-CI has no GPU, and the interpreter cannot run Gluon, so a Triton release that renames a Gluon API
-(triton 3.9 turned ``cp.async_copy_global_to_shared`` and ``tma.async_copy_global_to_shared`` into
-``async_load``) would otherwise surface only on a user's H100. This runs Triton's compiler for
+CI has no GPU, the interpreter cannot run Gluon, and it never runs Triton's GPU code generator, so a
+Triton release that renames a Gluon API (triton 3.9 turned ``cp.async_copy_global_to_shared`` and
+``tma.async_copy_global_to_shared`` into ``async_load``) or breaks a lowering would otherwise surface
+only on a user's H100. This runs Triton's compiler for
 ``GPUTarget("cuda", 90, 32)`` down to a cubin, then the bundled ptxas with ``-v`` for the spill count
 (None where that ptxas does not take the PTX version Triton wrote).
 
@@ -26,7 +28,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from moegemm import configs
-from moegemm.kernels import k_grouped_fp8_ws, m_grouped_fp8_ws, m_grouped_ws
+from moegemm.kernels import k_grouped, k_grouped_fp8_ws, m_grouped, m_grouped_fp8_ws, m_grouped_ws
 from moegemm.kernels.gluon_hopper import TensorDescriptor, gl
 
 __all__ = ["KERNELS", "compile_kernel"]
@@ -87,7 +89,45 @@ def _k_grouped_fp8_ws():
     return k_grouped_fp8_ws.k_grouped_mm_fp8_ws_kernel, launch.meta, pointers
 
 
+def _m_grouped():
+    """The BF16 forward: x [M, K], the nn.Linear weight read K-contiguous, bias."""
+    config = configs.candidates("m_grouped", "sm90")[0]
+    launch = m_grouped.MGroupedLaunch.make(
+        M, N, K, G, config=config, num_programs_cap=132, fp32_inputs=False, interpret=False, w_k_contiguous=True,
+        has_bias=True,
+    )  # fmt: skip
+    pointers = {
+        "x_ptr": "*bf16", "w_ptr": "*bf16", "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32",
+        "bias_ptr": "*bf16", "out_ptr": "*bf16",
+    }  # fmt: skip
+    values = dict(
+        M=M, N=N, K=K, G=G, G_TOTAL=G, stride_xm=K, stride_xk=1, stride_wg=N * K, stride_wk=1, stride_wn=K,
+        stride_om=N, stride_on=1, stride_bg=N, stride_bn=1,
+    )  # fmt: skip
+    return m_grouped.m_grouped_mm_kernel, launch.meta, pointers, values
+
+
+def _k_grouped():
+    """The BF16 wgrad: out [G, N, K] = dy[rows]^T @ x[rows], bf16 out."""
+    config = configs.candidates("k_grouped", "sm90")[0]
+    launch = k_grouped.KGroupedLaunch.make(
+        M, K, N, G, config=config, num_programs_cap=132, fp32_inputs=False, accumulate=False, interpret=False,
+        out_itemsize=2,
+    )  # fmt: skip
+    pointers = {
+        "a_ptr": "*bf16", "b_ptr": "*bf16", "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32", "c_ptr": "*bf16",
+        "a_colsum_ptr": "*bf16", "out_ptr": "*bf16",
+    }  # fmt: skip
+    values = dict(
+        M=M, N=K, K=N, G=G, G_TOTAL=G, stride_am=N, stride_ak=1, stride_bm=K, stride_bn=1, stride_og=N * K,
+        stride_ok=K, stride_on=1, stride_sg=0, stride_sk=0,
+    )  # fmt: skip
+    return k_grouped.k_grouped_mm_kernel, launch.meta, pointers, values
+
+
 KERNELS = {
+    "m_grouped": _m_grouped,
+    "k_grouped": _k_grouped,
     "m_grouped_ws-k-contiguous": lambda: _m_grouped_ws(True, False),
     "m_grouped_ws-n-contiguous": lambda: _m_grouped_ws(False, False),
     "m_grouped_ws_tma-k-contiguous": lambda: _m_grouped_ws(True, True),
@@ -99,11 +139,15 @@ KERNELS = {
 
 def compile_kernel(name: str) -> dict:
     """{"kernel", "shared" (bytes), "spill_bytes" (None if unknown)} of one KERNELS entry, compiled for
-    sm_90a. Arguments that are neither constexprs nor pointers are i32 runtime ints with the
-    16-divisibility a real launch of a suite shape specializes on, except M (tokens: any count)."""
+    sm_90a. An entry gives pointer types, the launch's meta-parameters and, for Triton kernels, the
+    other arguments' values, specialized as a launch would (constexpr parameters take the value, an
+    int equal to 1 becomes the constant, one divisible by 16 gets that fact). Gluon entries give no
+    values: their ints are i32 with the 16-divisibility of a suite shape, except M (any count)."""
+    from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn, meta, pointers = KERNELS[name]()
+    fn, meta, pointers, *values = KERNELS[name]()
+    values = values[0] if values else None
     signature, constexprs, attrs = {}, {}, {}
     for i, param in enumerate(fn.params):
         if param.name in pointers:
@@ -113,14 +157,20 @@ def compile_kernel(name: str) -> dict:
         elif param.name in meta:
             signature[param.name] = "constexpr"
             constexprs[(i,)] = meta[param.name]
-        else:
+        elif values is None:
             signature[param.name] = "i32"
             if param.name != "M":
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    options = {"num_warps": meta["num_warps"], "maxnreg": meta["maxnreg"]}
-    compiled = triton.compile(
-        GluonASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32), options=options
-    )
+        elif param.is_constexpr or values[param.name] == 1:
+            signature[param.name] = "constexpr"
+            constexprs[(i,)] = values[param.name]
+        else:
+            signature[param.name] = "i32"
+            if values[param.name] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    options = {k: meta[k] for k in ("num_warps", "num_stages", "maxnreg") if k in meta}
+    source = (ASTSource if values is not None else GluonASTSource)(fn, signature, constexprs, attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     return {"kernel": name, "shared": compiled.metadata.shared, "spill_bytes": _spills(compiled.asm["ptx"])}
 
 

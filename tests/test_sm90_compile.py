@@ -1,8 +1,10 @@
-"""The warp-specialized Gluon kernels compile for sm_90a with this Triton (no GPU needed).
+"""The GPU kernels compile for sm_90a with this Triton (no GPU needed): the warp-specialized Gluon
+kernels and the BF16 Triton kernels of the default launches.
 
 CI runs this on both Triton legs: triton 3.9 removed the Gluon copy entry points the kernels first
-used (cp/tma ``async_copy_global_to_shared`` -> ``async_load``), which only a compile shows. The
-compile runs in a child process without TRITON_INTERPRET (moegemm.testing.sm90 says why).
+used (cp/tma ``async_copy_global_to_shared`` -> ``async_load``), which only a compile shows, and the
+interpreter never runs Triton's GPU code generator. The compile runs in a child process without
+TRITON_INTERPRET (moegemm.testing.sm90 says why).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ SM90_MAX_SHARED = 232448
 
 
 @pytest.mark.skipif(not gluon_hopper.supported(), reason="this Triton has no Gluon Hopper API")
-def test_gluon_kernels_compile_for_sm90(tmp_path):
+def test_kernels_compile_for_sm90(tmp_path):
     # A fresh Triton cache: its key does not cover module-level aliases such as gluon_hopper.async_load,
     # so a cached kernel could hide a compile error.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {
