@@ -5,16 +5,19 @@ nn.Linear weight [G, N, K] as stored: the forward) or N-contiguous (the same wei
 [G, K=N_fwd, N=K_fwd] operand), group_sizes [G] on the device (clamped as ``schedule`` says), optional
 bias [G, N] added in fp32 before the one rounding, out [M, N]; rows past sum(group_sizes) are 0.
 
-Why: the Triton kernel (``m_grouped``) runs one instruction stream per CTA. Its cp.async address
-arithmetic, waits and wgmma issue share the warps that hold the 128 x 256 accumulator, and it reached
-78-95% of the roofline floor on compute-bound fwd/dgrad (perf-notes 17). Here, as in the FP8 kernels
-of perf-notes 20, a loader warpgroup owns the copies and two consumer warpgroups own 64 rows each of
-a 128 x BLOCK_N tile and do nothing but wait, wgmma and release, keeping one wgmma in flight.
+Why it exists, and why it is opt-in (``MOEGEMM_WS=1``): the Triton kernel (``m_grouped``) runs one
+instruction stream per CTA, and as in the FP8 kernels of perf-notes 20 a loader warpgroup that owns
+the copies, with two consumer warpgroups that only wait, wgmma and release, was expected to beat it.
+On the H100 it did not: 0.87x (suite) and 0.93x (held-out) of the Triton kernel, whose software
+pipeline already keeps the tensor pipe 93.6% busy on BF16 (perf-notes 23). It stays as the tested base
+for what that entry names (TMA multicast across a CTA pair, consumers out of phase).
 
 Partitions (``gl.warp_specialize``, protocol in ``moegemm.kernels.gluon_hopper``):
-- default (LOADER_WARPS): cp.async of each step's x [BLOCK_M, BLOCK_K] and w tile into a ring of
-  NUM_STAGES NVMMA-swizzled slots; masked chunks are zero-filled (rows past the group, columns past N,
-  K past its end add nothing).
+- default (LOADER_WARPS): each step's x [BLOCK_M, BLOCK_K] and w tile into a ring of NUM_STAGES
+  NVMMA-swizzled slots, by cp.async (``m_grouped_mm_ws_kernel``: rows past the group clamped to its
+  last row, K past its end and an N-contiguous weight's columns past N zero-filled by masks) or by TMA
+  over host descriptors (``m_grouped_mm_ws_tma_kernel``, PyTorch only; ``_tma_loader`` says what it
+  reads past the group).
 - two workers of 4 warps: rows [h * 64, (h + 1) * 64) of each tile. Step k's wgmma is issued before
   step k - 1's slot is released (``warpgroup_mma_wait(1)``), then the epilogue adds the bias and stores
   straight from the wgmma registers (masked, so partial tiles write only their rows).
