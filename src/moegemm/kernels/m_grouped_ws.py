@@ -39,7 +39,6 @@ from moegemm.kernels.gluon_hopper import (
     CONSUMER_WARPS,
     LOADER_WARPS,
     MAXNREG,
-    TensorDescriptor,
     async_load,
     copy_layout,
     gl,
@@ -455,9 +454,5 @@ def supported_tma(
     step would read the next group's rows); coordinates that fit int32."""
     rows = N if w_k_contiguous else K
     return (
-        TensorDescriptor is not None
-        and w_g_stride == rows * w_row
-        and (w_k_contiguous or K % block_k == 0)
-        and G * rows < 2**31
-        and M < 2**31
+        w_g_stride == rows * w_row and (w_k_contiguous or K % block_k == 0) and G * rows < 2**31 and M < 2**31
     )

@@ -20,6 +20,7 @@ import triton
 
 from moegemm import configs
 from moegemm.kernels import m_grouped_ws as ws
+from moegemm.kernels.gluon_hopper import TensorDescriptor
 from moegemm.kernels.k_grouped import KGroupedLaunch, k_grouped_mm_kernel
 from moegemm.kernels.m_grouped import MGroupedLaunch, m_grouped_mm_kernel
 
@@ -151,8 +152,11 @@ class DirectLaunch:
 
     MAX_ENTRIES = 4096
 
-    def __init__(self, kernel) -> None:
+    def __init__(self, kernel, descriptors: bool = False) -> None:
+        """descriptors: some tensor arguments are TensorDescriptors (TMA kernels), keyed by their base
+        tensor; only such launches pay for looking the bases up."""
         self.kernel = kernel
+        self.descriptors = descriptors
         self.bound: dict[tuple, tuple] = {}
 
     def clear(self) -> None:
@@ -173,7 +177,7 @@ class DirectLaunch:
         if direct:
             # One flat tuple: hashing it is most of the hit path's cost.
             # A TensorDescriptor (TMA kernels) is keyed by its base tensor; its shapes are in spec.
-            bases = [getattr(t, "base", t) for t in tensors]
+            bases = [getattr(t, "base", t) for t in tensors] if self.descriptors else tensors
             aligned = sum(1 << i for i, t in enumerate(bases) if t.data_ptr() % 16 == 0)
             key = (*spec, *ints, aligned, *[t.dtype for t in bases])
             entry = self.bound.get(key)
@@ -230,7 +234,7 @@ def _device_guard(device: torch.device):
 
 M_GROUPED = DirectLaunch(m_grouped_mm_kernel)
 M_GROUPED_WS = DirectLaunch(ws.m_grouped_mm_ws_kernel)
-M_GROUPED_WS_TMA = DirectLaunch(ws.m_grouped_mm_ws_tma_kernel)
+M_GROUPED_WS_TMA = DirectLaunch(ws.m_grouped_mm_ws_tma_kernel, descriptors=True)
 K_GROUPED = DirectLaunch(k_grouped_mm_kernel)
 
 
@@ -270,16 +274,15 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
             b = x if bias is None else bias
             key = ("ws", M, N, K, G, x.dtype, x.device, bias is not None, sx[0], sw)
             if ws_launch.tma:
-                x_desc, w_desc = _tma_descriptors(ws_launch, x, w)
+                x_desc, w_desc = _tma_descriptors(ws_launch, x, w, N)
                 M_GROUPED_WS_TMA.launch(
                     key, (x_desc, w_desc, group_sizes, b, out), (M, N, K, G, *so, *sb), lambda: ws_launch
                 )
             else:
-                w_row = sw[2] if ws_launch.meta["W_K_CONTIGUOUS"] else sw[1]
                 M_GROUPED_WS.launch(
                     key,
                     (x, w, group_sizes, b, out),
-                    (M, N, K, G, sx[0], sw[0], w_row, *so, *sb),
+                    (M, N, K, G, sx[0], sw[0], ws_launch.w_row_stride, *so, *sb),
                     lambda: ws_launch,
                 )
             return
@@ -303,7 +306,7 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
     )
 
 
-def _tma_descriptors(launch: ws.MGroupedWsLaunch, x, w) -> tuple:
+def _tma_descriptors(launch: ws.MGroupedWsLaunch, x, w, N: int) -> tuple:
     """The TMA kernel's descriptors: x [M, K] and W's 2-D view ([G * N, K] K-contiguous, [G * K, N]
     N-contiguous; ``ws.supported_tma`` checked that its groups sit back to back), from the storage w
     that W is read from."""
@@ -311,16 +314,13 @@ def _tma_descriptors(launch: ws.MGroupedWsLaunch, x, w) -> tuple:
     bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
     M, K = x.shape
     G = w.shape[0]
-    cols = w.numel() // (G * K)  # N
     if meta["W_K_CONTIGUOUS"]:
-        w_shape, w_block = [G * cols, K], [bn, bk]
+        w_shape, w_block = [G * N, K], [bn, bk]
     else:
-        w_shape, w_block = [G * K, cols], [bk, bn]
+        w_shape, w_block = [G * K, N], [bk, bn]
     dtype = _GL_DTYPES[x.dtype]
-    x_desc = ws.TensorDescriptor(x, [M, K], [x.stride(0), 1], [bm, bk], _nvmma_layout(bm, bk, dtype))
-    w_desc = ws.TensorDescriptor(
-        w, w_shape, [launch.w_row_stride, 1], w_block, _nvmma_layout(*w_block, dtype)
-    )
+    x_desc = TensorDescriptor(x, [M, K], [x.stride(0), 1], [bm, bk], _nvmma_layout(bm, bk, dtype))
+    w_desc = TensorDescriptor(w, w_shape, [launch.w_row_stride, 1], w_block, _nvmma_layout(*w_block, dtype))
     return x_desc, w_desc
 
 
