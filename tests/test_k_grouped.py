@@ -230,8 +230,89 @@ class TestKGroupedTritonFlat(KGroupedTest):
         from moegemm.torch import _launch
 
         spec = (64, 16, 16, 2, torch.bfloat16, torch.device(DEVICE), 16, True, False, False)
-        assert _launch._k_launch(*spec, 2).meta["FLAT"]
-        assert not _launch._k_launch(*spec, 4).meta["FLAT"]
+        assert _launch._k_launch(*spec, 2, False).meta["FLAT"]
+        assert not _launch._k_launch(*spec, 4, False).meta["FLAT"]
+
+
+class TestKGroupedTritonTmaStore(KGroupedTest):
+    """2-byte outputs, stored through a TMA descriptor over out [G, K, N] (the default where out allows
+    one; the interpreter runs the same path). A spy fails any test whose bf16 launches did not take it."""
+
+    BACKEND = "triton"
+    OUT_DTYPE = torch.bfloat16
+    pytestmark = pytest.mark.gpu
+
+    @pytest.fixture(autouse=True)
+    def spy(self, monkeypatch):
+        from moegemm.torch import _launch
+
+        monkeypatch.setattr(_launch, "TMA_STORE", True)
+        calls = []
+        for name in ("K_GROUPED", "K_GROUPED_TMA"):
+            direct = getattr(_launch, name)
+            monkeypatch.setattr(
+                direct, "launch", lambda *a, name=name, inner=direct.launch: (calls.append(name), inner(*a))
+            )
+        self.calls = calls
+        yield
+
+    def check(self, *args, **kwargs):
+        before = len(self.calls)
+        out = super().check(*args, **kwargs)
+        launched = self.calls[before:]
+        if out.dtype != torch.float32 and launched:
+            # A fresh out [G, K, N] has rows N elements apart: a descriptor needs them 16-byte aligned.
+            want = "K_GROUPED_TMA" if out.stride(1) % 8 == 0 else "K_GROUPED"
+            assert launched == [want], f"bf16 out with strides {out.stride()} took {launched}"
+        return out
+
+    @pytest.mark.parametrize(
+        "offset,path", [(8, "K_GROUPED_TMA"), (3, "K_GROUPED")], ids=["aligned", "unaligned"]
+    )
+    def test_out_view_in_larger_buffer(self, offset, path):
+        """A view at an element offset: 16-byte aligned it takes the descriptor, which clips every tile at
+        the view's own [G, K, N]; unaligned it falls back to the register store. Nothing outside is written."""
+        M, K, N, sizes = 70, 40, 24, [30, 0, 40]
+        a, b = make_inputs(M, K, N, torch.bfloat16, seed=6)
+        gs = torch.tensor(sizes, device=DEVICE)
+        base = torch.full((3 * K * N + 16,), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+        out = base[offset : offset + 3 * K * N].view(3, K, N)
+        before = len(self.calls)
+        k_grouped_mm(a, b, gs, out=out, backend=self.BACKEND)
+        assert self.calls[before:] == [path]
+        assert_rel_close(out.cpu(), reference(a, b, gs), torch.bfloat16, what=f"out= view at {offset}")
+        assert torch.equal(out[1].cpu(), torch.zeros(K, N, dtype=torch.bfloat16)), "empty group not 0"
+        outside = torch.ones_like(base, dtype=torch.bool)
+        outside[offset : offset + 3 * K * N] = False
+        assert base[outside].isnan().all(), "wrote outside the view"
+
+    def test_row_stride_not_aligned_falls_back(self):
+        """out[g] rows 20 elements apart (40 bytes): no descriptor can describe them; the register store runs."""
+        M, K, N, sizes = 40, 16, 12, [25, 15]
+        a, b = make_inputs(M, K, N, torch.bfloat16, seed=7)
+        gs = torch.tensor(sizes, device=DEVICE)
+        base = torch.full((2, K, 20), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+        before = len(self.calls)
+        k_grouped_mm(a, b, gs, out=base[:, :, :N], backend=self.BACKEND)
+        assert self.calls[before:] == ["K_GROUPED"]
+        assert_rel_close(base[:, :, :N].cpu(), reference(a, b, gs), torch.bfloat16, what="strided out=")
+        assert base[:, :, N:].isnan().all()
+
+
+class TestKGroupedTritonRegisterStore(KGroupedTest):
+    """2-byte outputs stored from registers (MOEGEMM_TMA_STORE=0, and every out no descriptor fits)."""
+
+    BACKEND = "triton"
+    OUT_DTYPE = torch.bfloat16
+    pytestmark = pytest.mark.gpu
+
+    @pytest.fixture(autouse=True)
+    def no_tma_store(self, monkeypatch):
+        from moegemm.torch import _launch
+
+        monkeypatch.setattr(_launch, "TMA_STORE", False)
+        monkeypatch.setattr(_launch.K_GROUPED_TMA, "launch", lambda *a: pytest.fail("TMA store launched"))
+        yield
 
 
 class TestKGroupedReference(KGroupedTest):

@@ -19,8 +19,9 @@ import pytest
 from moegemm.kernels import gluon_hopper
 from moegemm.testing import sm90
 
-# Dynamic shared memory a block may use on sm90 (227 KB).
+# Dynamic shared memory a block may use on sm90 (227 KB); an SM has 228 KB, 1 KB of it reserved per CTA.
 SM90_MAX_SHARED = 232448
+SM90_SHARED_PER_SM = 233472
 
 
 @pytest.mark.skipif(not gluon_hopper.supported(), reason="this Triton has no Gluon Hopper API")
@@ -38,3 +39,5 @@ def test_kernels_compile_for_sm90(tmp_path):
     assert set(compiled) == set(sm90.KERNELS), compiled
     for name, r in compiled.items():
         assert 0 < r["shared"] <= SM90_MAX_SHARED, (name, r)
+        # A config's CTAs per SM all fit (the TMA-store candidates' estimate is checked here).
+        assert r["ctas_per_sm"] * (r["shared"] + 1024) <= SM90_SHARED_PER_SM, (name, r)

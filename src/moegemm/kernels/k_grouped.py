@@ -53,6 +53,38 @@ def _k_step(
 def _k_epilogue(
     c_ptr,
     out_ptr,
+    out_desc,
+    acc,
+    g,
+    k_tile,
+    n_tile,
+    has_rows,
+    offs_k,
+    offs_n,
+    k_mask,
+    col_mask,
+    stride_og: tl.constexpr,
+    stride_ok: tl.constexpr,
+    stride_on: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    TMA_STORE: tl.constexpr,
+):
+    """Stores one finished out[g] tile (adding c's tile when accumulating)."""
+    if TMA_STORE:
+        # The tile goes to shared memory and one bulk copy writes it: the warps go on to the next tile's
+        # reduction while the copy engine stores (and clips at out[g]'s K and N edges). Never accumulating.
+        out_desc.store([g, k_tile * BLOCK_K, n_tile * BLOCK_N], acc.to(out_desc.dtype)[None, :, :])
+    else:
+        _k_store(c_ptr, out_ptr, acc, g, k_tile, n_tile, has_rows, offs_k, offs_n, k_mask, col_mask, stride_og,
+                 stride_ok, stride_on, BLOCK_K, BLOCK_N, ACCUMULATE)  # fmt: skip
+
+
+@triton.jit
+def _k_store(
+    c_ptr,
+    out_ptr,
     acc,
     g,
     k_tile,
@@ -69,7 +101,7 @@ def _k_epilogue(
     BLOCK_N: tl.constexpr,
     ACCUMULATE: tl.constexpr,
 ):
-    """Stores one finished out[g] tile (adding c's tile when accumulating)."""
+    """The pointer store of one tile, masked at out[g]'s edges."""
     out_offs = (
         g.to(tl.int64) * stride_og
         + (k_tile * BLOCK_K).to(tl.int64) * stride_ok
@@ -100,6 +132,7 @@ def k_grouped_mm_kernel(
     group_offset_ptr,  # int32 [1]: the first local group (read only with HAS_GROUP_OFFSET)
     c_ptr,
     a_colsum_ptr,
+    out_desc,  # TMA_STORE: a host TensorDescriptor over out [G, K, N], block [1, BLOCK_K, BLOCK_N]; else unused
     out_ptr,
     M,
     N,
@@ -128,6 +161,7 @@ def k_grouped_mm_kernel(
     ACCUMULATE: tl.constexpr,  # out = c + a^T b instead of a^T b
     A_COLSUM: tl.constexpr,  # also write a_colsum[g] = sum(a[rows(g)], 0) (fresh, never accumulated)
     FLAT: tl.constexpr,  # one flat loop over all steps of all tiles (next tile's loads overlap the store)
+    TMA_STORE: tl.constexpr,  # store finished tiles through out_desc (bulk async copies), 2-byte out only
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot is wrong on bf16 operands
     PRECISION: tl.constexpr,
 ):
@@ -209,6 +243,7 @@ def k_grouped_mm_kernel(
                 _k_epilogue(
                     c_ptr,
                     out_ptr,
+                    out_desc,
                     acc,
                     g,
                     k_tile,
@@ -224,6 +259,7 @@ def k_grouped_mm_kernel(
                     BLOCK_K,
                     BLOCK_N,
                     ACCUMULATE,
+                    TMA_STORE,
                 )
                 acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     else:
@@ -255,6 +291,7 @@ def k_grouped_mm_kernel(
             _k_epilogue(
                 c_ptr,
                 out_ptr,
+                out_desc,
                 acc,
                 g,
                 k_tile,
@@ -270,6 +307,7 @@ def k_grouped_mm_kernel(
                 BLOCK_K,
                 BLOCK_N,
                 ACCUMULATE,
+                TMA_STORE,
             )
 
     if A_COLSUM:
@@ -305,6 +343,21 @@ def k_grouped_mm_kernel(
             )
 
 
+# Shared memory an SM gives its CTAs on sm90 (228 KB, 1 KB of it reserved per CTA).
+SM90_SHARED_PER_SM = 233472
+SM90_SHARED_RESERVED_PER_CTA = 1024
+
+
+def tma_store_fits(config, in_itemsize: int, flat: bool) -> bool:
+    """Whether the TMA store's bf16 staging tile (BLOCK_K x BLOCK_N) fits next to the operand ring at
+    the config's CTAs per SM. The estimate matches what Triton 3.6 allocated for every k_grouped
+    candidate compiled for sm_90a (the ring, plus 8 KB of scratch the flat loop keeps), with 2 KB to spare;
+    tests/test_sm90_compile.py compiles every candidate it admits."""
+    ring = config.num_stages * config.block_r * (config.block_k + config.block_n) * in_itemsize
+    shared = ring + config.block_k * config.block_n * 2 + (8192 if flat else 0) + 2048
+    return config.ctas_per_sm * (shared + SM90_SHARED_RESERVED_PER_CTA) <= SM90_SHARED_PER_SM
+
+
 @dataclasses.dataclass(frozen=True)
 class KGroupedLaunch:
     """Grid and meta-parameters of one k_grouped_mm_kernel launch, derived from static shapes only."""
@@ -329,6 +382,7 @@ class KGroupedLaunch:
         a_colsum: bool = False,
         g_total: int | None = None,
         out_itemsize: int = 4,
+        tma_store: bool = False,
     ) -> KGroupedLaunch:
         """max_stride: the largest row/column stride of a, b and out[g] (default: contiguous, max(K, N)).
         a_k_contiguous: a's K stride is 1 (row-major a, the default for contiguous inputs).
@@ -340,7 +394,16 @@ class KGroupedLaunch:
         of its own: 128 KB for a 128 x 256 fp32 tile (over the H100's 227 KB with the operands, seen
         on the H100), 64 KB for 128 x 128 (two CTAs no longer fit an SM). 4-byte outputs (fp32
         main_grad) keep the loop per tile.
+        tma_store: the launch passes a TensorDescriptor over out (2-byte out, not accumulating).
         """
+        if tma_store and (accumulate or out_itemsize != 2):
+            raise ValueError(
+                f"tma_store needs a 2-byte out without accumulation, got {out_itemsize=} {accumulate=}"
+            )
+        flat = config.flat and out_itemsize <= 2
+        # The store's staging tile takes shared memory next to the operand ring; where that would cost
+        # the config its CTAs per SM, the tile is stored from registers as before.
+        tma_store = tma_store and tma_store_fits(config, 4 if fp32_inputs else 2, flat)
         max_stride = max(K, N) if max_stride is None else max_stride
         k_tiles = triton.cdiv(K, config.block_k)
         tiles = G * k_tiles * (triton.cdiv(N, config.block_n) + (1 if a_colsum else 0))
@@ -360,7 +423,8 @@ class KGroupedLaunch:
             WIDE_OFFSETS=2 * max(config.block_k, config.block_n, config.block_r) * max_stride >= 2**31,
             ACCUMULATE=accumulate,
             A_COLSUM=a_colsum,
-            FLAT=config.flat and out_itemsize <= 2,
+            FLAT=flat,
+            TMA_STORE=tma_store,
             UPCAST=interpret,
             PRECISION="ieee" if fp32_inputs or interpret else "tf32",
             num_warps=config.num_warps,

@@ -16,6 +16,7 @@ Gluon kernels call are interpreted functions, which the compiler refuses.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -26,6 +27,7 @@ import tempfile
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.tools.tensor_descriptor import TensorDescriptor as TlTensorDescriptor
 
 from moegemm import configs
 from moegemm.kernels import k_grouped, k_grouped_fp8_ws, m_grouped, m_grouped_fp8_ws, m_grouped_ws
@@ -107,27 +109,48 @@ def _m_grouped():
     return m_grouped.m_grouped_mm_kernel, launch.meta, pointers, values
 
 
-def _k_grouped():
-    """The BF16 wgrad: out [G, N, K] = dy[rows]^T @ x[rows], bf16 out."""
-    config = configs.candidates("k_grouped", "sm90")[0]
+def _k_grouped(config=None, tma_store: bool = False):
+    """The BF16 wgrad: out [G, N, K] = dy[rows]^T @ x[rows], bf16 out (the default config unless given)."""
+    config = config or configs.candidates("k_grouped", "sm90")[0]
     launch = k_grouped.KGroupedLaunch.make(
         M, K, N, G, config=config, num_programs_cap=132, fp32_inputs=False, accumulate=False, interpret=False,
-        out_itemsize=2,
+        out_itemsize=2, tma_store=tma_store,
     )  # fmt: skip
+    assert launch.meta["TMA_STORE"] == tma_store, config
     pointers = {
         "a_ptr": "*bf16", "b_ptr": "*bf16", "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32", "c_ptr": "*bf16",
-        "a_colsum_ptr": "*bf16", "out_ptr": "*bf16",
+        "a_colsum_ptr": "*bf16", "out_desc": "*bf16", "out_ptr": "*bf16",
     }  # fmt: skip
+    if tma_store:
+        block = [1, launch.meta["BLOCK_K"], launch.meta["BLOCK_N"]]
+        t = torch.empty(16, 16, 16, dtype=torch.bfloat16)  # only its dtype and alignment matter here
+        pointers["out_desc"] = triton.runtime.jit.mangle_type(
+            TlTensorDescriptor(t, [16, 16, 16], [256, 16, 1], block)
+        )
     values = dict(
         M=M, N=K, K=N, G=G, G_TOTAL=G, stride_am=N, stride_ak=1, stride_bm=K, stride_bn=1, stride_og=N * K,
         stride_ok=K, stride_on=1, stride_sg=0, stride_sk=0,
     )  # fmt: skip
-    return k_grouped.k_grouped_mm_kernel, launch.meta, pointers, values
+    meta = {**launch.meta, "ctas_per_sm": config.ctas_per_sm}
+    return k_grouped.k_grouped_mm_kernel, meta, pointers, values
+
+
+# Every k_grouped candidate that KGroupedLaunch lets store through TMA: its shared-memory estimate
+# (k_grouped.tma_store_fits) must hold for what the compiler allocates.
+_TMA_STORE_CANDIDATES = {
+    f"k_grouped_tma_store-{i}": config
+    for i, config in enumerate(configs.candidates("k_grouped", "sm90"))
+    if k_grouped.tma_store_fits(config, 2, config.flat)
+}
 
 
 KERNELS = {
     "m_grouped": _m_grouped,
     "k_grouped": _k_grouped,
+    **{
+        name: (lambda c=config: _k_grouped(c, tma_store=True))
+        for name, config in _TMA_STORE_CANDIDATES.items()
+    },
     "m_grouped_ws-k-contiguous": lambda: _m_grouped_ws(True, False),
     "m_grouped_ws-n-contiguous": lambda: _m_grouped_ws(False, False),
     "m_grouped_ws_tma-k-contiguous": lambda: _m_grouped_ws(True, True),
@@ -138,7 +161,7 @@ KERNELS = {
 
 
 def compile_kernel(name: str) -> dict:
-    """{"kernel", "shared" (bytes), "spill_bytes" (None if unknown)} of one KERNELS entry, compiled for
+    """{"kernel", "shared" (bytes), "ctas_per_sm", "spill_bytes" (None if unknown)} of one KERNELS entry, compiled for
     sm_90a. An entry gives pointer types, the launch's meta-parameters and, for Triton kernels, the
     other arguments' values, specialized as a launch would (constexpr parameters take the value, an
     int equal to 1 becomes the constant, one divisible by 16 gets that fact). Gluon entries give no
@@ -171,7 +194,12 @@ def compile_kernel(name: str) -> dict:
     options = {k: meta[k] for k in ("num_warps", "num_stages", "maxnreg") if k in meta}
     source = (ASTSource if values is not None else GluonASTSource)(fn, signature, constexprs, attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    return {"kernel": name, "shared": compiled.metadata.shared, "spill_bytes": _spills(compiled.asm["ptx"])}
+    return {
+        "kernel": name,
+        "shared": compiled.metadata.shared,
+        "ctas_per_sm": meta.get("ctas_per_sm", 1),
+        "spill_bytes": _spills(compiled.asm["ptx"]),
+    }
 
 
 def _spills(ptx: str) -> int | None:

@@ -17,6 +17,7 @@ import os
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor as TlTensorDescriptor
 
 from moegemm import configs
 from moegemm.kernels import m_grouped_ws as ws
@@ -33,6 +34,9 @@ DIRECT_LAUNCH = os.environ.get("MOEGEMM_DIRECT_LAUNCH", "1") != "0"
 # kernel (kernels/m_grouped_ws.py). Off by default: on the H100 it ran at 0.87x (suite) and 0.93x (held-out)
 # of the Triton kernel, geomean (perf-notes 23). ``WS`` is read at call time, so a probe can flip it.
 WS = os.environ.get("MOEGEMM_WS", "0") == "1"
+# MOEGEMM_TMA_STORE=0 stores the k-grouped (wgrad) tiles from registers instead of through a TMA
+# descriptor (perf-notes 24). Read at call time.
+TMA_STORE = os.environ.get("MOEGEMM_TMA_STORE", "1") != "0"
 
 
 @functools.cache
@@ -118,8 +122,10 @@ def _m_ws_launch(
 
 @functools.lru_cache(maxsize=4096)
 def _k_launch(
-    M, N, K, G, dtype, device, max_stride, a_k_contiguous, accumulate, a_colsum, out_itemsize
+    M, N, K, G, dtype, device, max_stride, a_k_contiguous, accumulate, a_colsum, out_itemsize, tma_store
 ) -> KGroupedLaunch:
+    """tma_store: out can take a TMA descriptor; the launch uses one where the device has TMA (sm90, or
+    the interpreter, which runs the same path) and the config's shared memory leaves room."""
     target, device_name, programs = _target(device)
     config = _pick_config("k_grouped", target, device_name, programs, dtype, G=G, N=N, K=K, M=M)
     return KGroupedLaunch.make(
@@ -136,6 +142,7 @@ def _k_launch(
         a_k_contiguous=a_k_contiguous,
         a_colsum=a_colsum,
         out_itemsize=out_itemsize,
+        tma_store=tma_store and target in ("sm90", "interpret"),
     )
 
 
@@ -236,6 +243,7 @@ M_GROUPED = DirectLaunch(m_grouped_mm_kernel)
 M_GROUPED_WS = DirectLaunch(ws.m_grouped_mm_ws_kernel)
 M_GROUPED_WS_TMA = DirectLaunch(ws.m_grouped_mm_ws_tma_kernel, descriptors=True)
 K_GROUPED = DirectLaunch(k_grouped_mm_kernel)
+K_GROUPED_TMA = DirectLaunch(k_grouped_mm_kernel, descriptors=True)
 
 
 def clear_launch_cache() -> None:
@@ -248,6 +256,7 @@ def clear_launch_cache() -> None:
     M_GROUPED_WS.clear()
     M_GROUPED_WS_TMA.clear()
     K_GROUPED.clear()
+    K_GROUPED_TMA.clear()
 
 
 def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = False) -> None:
@@ -341,6 +350,17 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) ->
         return
     sa, sb, so = a.stride(), b.stride(), out.stride()
     ss = (0, 0) if a_colsum is None else a_colsum.stride()
+    # A TMA descriptor over out [G, K, N]: N contiguous, the other strides and the base 16-byte aligned.
+    tma_store = (
+        TMA_STORE
+        and not accumulate
+        and out.element_size() == 2
+        and N > 0
+        and so[2] == 1
+        and so[0] % 8 == 0
+        and so[1] % 8 == 0
+        and out.data_ptr() % 16 == 0
+    )
     spec = (
         M,
         N,
@@ -353,10 +373,25 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) ->
         accumulate,
         a_colsum is not None,
         out.element_size(),
+        tma_store,
     )
+    colsum = out if a_colsum is None else a_colsum
+    if tma_store:
+        launch = _k_launch(*spec)
+        if launch.meta["TMA_STORE"]:
+            block = [1, launch.meta["BLOCK_K"], launch.meta["BLOCK_N"]]
+            out_desc = TlTensorDescriptor(out, [G, K, N], list(so), block)
+            K_GROUPED_TMA.launch(
+                spec,
+                (a, b, group_sizes, group_sizes, out, colsum, out_desc, out),
+                (M, N, K, G, G, *sa, *sb, *so, *ss),
+                lambda: launch,
+            )
+            return
     K_GROUPED.launch(
         spec,
-        (a, b, group_sizes, group_sizes, out, out if a_colsum is None else a_colsum, out),
+        # Without TMA_STORE the kernel never reads out_desc; out fills the slot.
+        (a, b, group_sizes, group_sizes, out, colsum, out, out),
         (M, N, K, G, G, *sa, *sb, *so, *ss),
         lambda: _k_launch(*spec),
     )
