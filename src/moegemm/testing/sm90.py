@@ -16,7 +16,6 @@ Gluon kernels call are interpreted functions, which the compiler refuses.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
