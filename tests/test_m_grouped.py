@@ -104,6 +104,59 @@ class TestMGroupedTriton(MGroupedTest):
     pytestmark = pytest.mark.gpu
 
 
+class TestMGroupedTritonTmaStore(MGroupedTest):
+    """2-byte outputs, whole-tile rows stored through a TMA descriptor over out [M, N] (the default where
+    out allows one; the interpreter runs the same path), a group's partial last tile from registers. A
+    spy fails any test whose launch did not take the path out's layout calls for."""
+
+    BACKEND = "triton"
+    pytestmark = pytest.mark.gpu
+
+    @pytest.fixture(autouse=True)
+    def spy(self, monkeypatch):
+        from moegemm.torch import _launch
+
+        monkeypatch.setattr(_launch, "TMA_STORE", True)
+        calls = []
+        for name in ("M_GROUPED", "M_GROUPED_TMA"):
+            direct = getattr(_launch, name)
+            monkeypatch.setattr(
+                direct, "launch", lambda *a, name=name, inner=direct.launch: (calls.append(name), inner(*a))
+            )
+        self.calls = calls
+        yield
+
+    def check(self, M, K, N, sizes, dtype=torch.bfloat16, **kwargs):
+        before = len(self.calls)
+        out = super().check(M, K, N, sizes, dtype=dtype, **kwargs)
+        launched = self.calls[before:]
+        if dtype != torch.float32 and launched:
+            # Rows of out [M, N] are N elements apart: a descriptor needs them 16-byte aligned.
+            want_path = "M_GROUPED_TMA" if N % 8 == 0 else "M_GROUPED"
+            assert launched == [want_path], f"{dtype} out [{M}, {N}] took {launched}"
+        return out
+
+    def test_group_boundaries_inside_tiles(self):
+        """Groups of 1, 31, 33, 64 and 95 rows: whole tiles through the descriptor, each partial last
+        tile masked so that it cannot write the next group's first rows, a hot expert's many tiles."""
+        self.check(300, 48, 40, [1, 31, 33, 0, 64, 95, 70], bias=True)
+
+
+class TestMGroupedTritonRegisterStore(MGroupedTest):
+    """Every tile stored from registers (MOEGEMM_TMA_STORE=0, and every out no descriptor fits)."""
+
+    BACKEND = "triton"
+    pytestmark = pytest.mark.gpu
+
+    @pytest.fixture(autouse=True)
+    def no_tma_store(self, monkeypatch):
+        from moegemm.torch import _launch
+
+        monkeypatch.setattr(_launch, "TMA_STORE", False)
+        monkeypatch.setattr(_launch.M_GROUPED_TMA, "launch", lambda *a: pytest.fail("TMA store launched"))
+        yield
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_int64_addressing():

@@ -22,7 +22,15 @@ import dataclasses
 import triton
 import triton.language as tl
 
-from moegemm.kernels.schedule import group_row_bounds, local_group_row_bounds, pick, swizzle_tile
+from moegemm.kernels.schedule import (
+    SHARED_MARGIN,
+    SM90_SHARED_PER_SM,
+    SM90_SHARED_RESERVED_PER_CTA,
+    group_row_bounds,
+    local_group_row_bounds,
+    pick,
+    swizzle_tile,
+)
 
 
 @triton.jit
@@ -75,7 +83,10 @@ def _k_epilogue(
     if TMA_STORE:
         # The tile goes to shared memory and one bulk copy writes it: the warps go on to the next tile's
         # reduction while the copy engine stores (and clips at out[g]'s K and N edges). Never accumulating.
-        out_desc.store([g, k_tile * BLOCK_K, n_tile * BLOCK_N], acc.to(out_desc.dtype)[None, :, :])
+        out_desc.store(
+            [g.to(tl.int32), (k_tile * BLOCK_K).to(tl.int32), (n_tile * BLOCK_N).to(tl.int32)],
+            acc.to(out_desc.dtype)[None, :, :],
+        )
     else:
         _k_store(c_ptr, out_ptr, acc, g, k_tile, n_tile, has_rows, offs_k, offs_n, k_mask, col_mask, stride_og,
                  stride_ok, stride_on, BLOCK_K, BLOCK_N, ACCUMULATE)  # fmt: skip
@@ -343,18 +354,13 @@ def k_grouped_mm_kernel(
             )
 
 
-# Shared memory an SM gives its CTAs on sm90 (228 KB, 1 KB of it reserved per CTA).
-SM90_SHARED_PER_SM = 233472
-SM90_SHARED_RESERVED_PER_CTA = 1024
-
-
 def tma_store_fits(config, in_itemsize: int, flat: bool) -> bool:
     """Whether the TMA store's bf16 staging tile (BLOCK_K x BLOCK_N) fits next to the operand ring at
     the config's CTAs per SM. The estimate matches what Triton 3.6 allocated for every k_grouped
-    candidate compiled for sm_90a (the ring, plus 8 KB of scratch the flat loop keeps), with 2 KB to spare;
+    candidate compiled for sm_90a (the ring, plus 8 KB of scratch the flat loop keeps), with SHARED_MARGIN to spare;
     tests/test_sm90_compile.py compiles every candidate it admits."""
     ring = config.num_stages * config.block_r * (config.block_k + config.block_n) * in_itemsize
-    shared = ring + config.block_k * config.block_n * 2 + (8192 if flat else 0) + 2048
+    shared = ring + config.block_k * config.block_n * 2 + (8192 if flat else 0) + SHARED_MARGIN
     return config.ctas_per_sm * (shared + SM90_SHARED_RESERVED_PER_CTA) <= SM90_SHARED_PER_SM
 
 

@@ -23,7 +23,14 @@ import dataclasses
 import triton
 import triton.language as tl
 
-from moegemm.kernels.schedule import locate_row_tile, m_grouped_tile_space, store_zero_tiles
+from moegemm.kernels.schedule import (
+    SHARED_MARGIN,
+    SM90_SHARED_PER_SM,
+    SM90_SHARED_RESERVED_PER_CTA,
+    locate_row_tile,
+    m_grouped_tile_space,
+    store_zero_tiles,
+)
 
 
 @triton.jit
@@ -38,6 +45,7 @@ def m_grouped_mm_kernel(
     group_sizes_ptr,
     group_offset_ptr,  # int32 [1]: the first local group (read only with HAS_GROUP_OFFSET)
     bias_ptr,
+    out_desc,  # TMA_STORE: a host TensorDescriptor over out [M, N], block [BLOCK_M, BLOCK_N]; else unused
     out_ptr,
     M,
     N: tl.constexpr,
@@ -65,6 +73,7 @@ def m_grouped_mm_kernel(
     W_K_CONTIGUOUS: tl.constexpr,  # stride_wk == 1, e.g. an nn.Linear weight [G, N, K] passed as w.mT
     HAS_BIAS: tl.constexpr,  # add bias[g] to every owned row; bias_ptr is not read otherwise
     WIDE_OFFSETS: tl.constexpr,
+    TMA_STORE: tl.constexpr,  # store tiles whose rows are all owned through out_desc (bulk async copies)
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot is wrong on bf16 operands
     PRECISION: tl.constexpr,
 ):
@@ -139,9 +148,17 @@ def m_grouped_mm_kernel(
             bias = tl.load(bias_base + offs_n * stride_bn, mask=offs_n < bias_cols, other=0.0)
             acc += bias.to(tl.float32)[None, :]
         out_offs = offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-        tl.store(
-            out_base + out_offs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :]
-        )
+        if TMA_STORE and row_end - row0 >= BLOCK_M:
+            # Every row of the tile is owned: one bulk copy from shared memory stores it (clipped at N)
+            # under the next tile's main loop. A group's last, partial tile must not touch the next
+            # group's rows, which the descriptor cannot clip, so it takes the masked store.
+            out_desc.store([row0.to(tl.int32), col0.to(tl.int32)], acc.to(out_desc.dtype))
+        else:
+            tl.store(
+                out_base + out_offs,
+                acc.to(out_ptr.dtype.element_ty),
+                mask=row_mask[:, None] & col_mask[None, :],
+            )
         if HAS_GROUP_OFFSET:
             zero_begin = tile * zero_per_tile
             store_zero_tiles(
@@ -154,6 +171,14 @@ def m_grouped_mm_kernel(
                 out_ptr, z, z + 1, first_row, local_end, head_tiles, M, N, n_tiles, stride_om, stride_on,
                 offs_m, offs_n, BLOCK_M, BLOCK_N,
             )  # fmt: skip
+
+
+def tma_store_fits(config, in_itemsize: int) -> bool:
+    """Whether the TMA store's 2-byte staging tile (BLOCK_M x BLOCK_N) fits next to the operand ring at
+    the config's CTAs per SM (the estimate k_grouped.tma_store_fits explains)."""
+    ring = config.num_stages * config.block_k * (config.block_m + config.block_n) * in_itemsize
+    shared = ring + config.block_m * config.block_n * 2 + SHARED_MARGIN
+    return config.ctas_per_sm * (shared + SM90_SHARED_RESERVED_PER_CTA) <= SM90_SHARED_PER_SM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +203,7 @@ class MGroupedLaunch:
         w_k_contiguous: bool = False,
         has_bias: bool = False,
         g_total: int | None = None,
+        tma_store: bool = False,
     ) -> MGroupedLaunch:
         """max_stride: the largest row/column stride of x, w[g] and out (default: contiguous, max(K, N)).
         Element offsets inside one tile or one expert's K range are int32 unless they could overflow.
@@ -185,6 +211,8 @@ class MGroupedLaunch:
         has_bias: the launch passes a [G, N] bias (its strides count in max_stride).
         g_total: expert parallelism: group_sizes has g_total entries, w the G local groups from a
         device-side group offset (None: no offset, g_total = G).
+        tma_store: the launch can pass a TensorDescriptor over a 2-byte out; used where the config's
+        shared memory leaves room for the staging tile (``tma_store_fits``).
         """
         bm, bn = config.block_m, config.block_n
         max_stride = max(K, N) if max_stride is None else max_stride
@@ -206,6 +234,7 @@ class MGroupedLaunch:
             W_K_CONTIGUOUS=w_k_contiguous,
             HAS_BIAS=has_bias,
             WIDE_OFFSETS=2 * max(bm, bn, K + config.block_k) * max_stride >= 2**31,
+            TMA_STORE=tma_store and tma_store_fits(config, 4 if fp32_inputs else 2),
             UPCAST=interpret,
             PRECISION="ieee" if fp32_inputs or interpret else "tf32",
             num_warps=config.num_warps,

@@ -13,6 +13,13 @@ belong to no group.
 import triton
 import triton.language as tl
 
+# Shared memory an SM gives its CTAs on sm90 (228 KB, 1 KB of it reserved per CTA), and the slack the
+# kernels' estimates of their own allocation keep (the TMA-store checks; tests/test_sm90_compile.py
+# compiles every candidate they admit and checks the estimate).
+SM90_SHARED_PER_SM = 233472
+SM90_SHARED_RESERVED_PER_CTA = 1024
+SHARED_MARGIN = 2048
+
 
 @triton.jit
 def group_row_bounds(group_sizes_ptr, G, M, BLOCK_G: tl.constexpr):

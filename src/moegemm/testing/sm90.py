@@ -90,22 +90,29 @@ def _k_grouped_fp8_ws():
     return k_grouped_fp8_ws.k_grouped_mm_fp8_ws_kernel, launch.meta, pointers
 
 
-def _m_grouped():
-    """The BF16 forward: x [M, K], the nn.Linear weight read K-contiguous, bias."""
-    config = configs.candidates("m_grouped", "sm90")[0]
+def _m_grouped(config=None, tma_store: bool = False):
+    """The BF16 forward: x [M, K], the nn.Linear weight read K-contiguous, bias (the default config
+    unless given)."""
+    config = config or configs.candidates("m_grouped", "sm90")[0]
     launch = m_grouped.MGroupedLaunch.make(
         M, N, K, G, config=config, num_programs_cap=132, fp32_inputs=False, interpret=False, w_k_contiguous=True,
-        has_bias=True,
+        has_bias=True, tma_store=tma_store,
     )  # fmt: skip
+    assert launch.meta["TMA_STORE"] == tma_store, config
     pointers = {
         "x_ptr": "*bf16", "w_ptr": "*bf16", "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32",
-        "bias_ptr": "*bf16", "out_ptr": "*bf16",
+        "bias_ptr": "*bf16", "out_desc": "*bf16", "out_ptr": "*bf16",
     }  # fmt: skip
+    if tma_store:
+        block = [launch.meta["BLOCK_M"], launch.meta["BLOCK_N"]]
+        t = torch.empty(16, 16, dtype=torch.bfloat16)  # only its dtype and alignment matter here
+        pointers["out_desc"] = triton.runtime.jit.mangle_type(TlTensorDescriptor(t, [16, 16], [16, 1], block))
     values = dict(
         M=M, N=N, K=K, G=G, G_TOTAL=G, stride_xm=K, stride_xk=1, stride_wg=N * K, stride_wk=1, stride_wn=K,
         stride_om=N, stride_on=1, stride_bg=N, stride_bn=1,
     )  # fmt: skip
-    return m_grouped.m_grouped_mm_kernel, launch.meta, pointers, values
+    meta = {**launch.meta, "ctas_per_sm": config.ctas_per_sm}
+    return m_grouped.m_grouped_mm_kernel, meta, pointers, values
 
 
 def _k_grouped(config=None, tma_store: bool = False):
@@ -134,22 +141,26 @@ def _k_grouped(config=None, tma_store: bool = False):
     return k_grouped.k_grouped_mm_kernel, meta, pointers, values
 
 
-# Every k_grouped candidate that KGroupedLaunch lets store through TMA: its shared-memory estimate
-# (k_grouped.tma_store_fits) must hold for what the compiler allocates.
+# Every candidate that MGroupedLaunch / KGroupedLaunch lets store through TMA: their shared-memory
+# estimates (m_grouped.tma_store_fits, k_grouped.tma_store_fits) must hold for what the compiler allocates.
 _TMA_STORE_CANDIDATES = {
-    f"k_grouped_tma_store-{i}": config
-    for i, config in enumerate(configs.candidates("k_grouped", "sm90"))
-    if k_grouped.tma_store_fits(config, 2, config.flat)
+    **{
+        f"m_grouped_tma_store-{i}": (_m_grouped, config)
+        for i, config in enumerate(configs.candidates("m_grouped", "sm90"))
+        if m_grouped.tma_store_fits(config, 2)
+    },
+    **{
+        f"k_grouped_tma_store-{i}": (_k_grouped, config)
+        for i, config in enumerate(configs.candidates("k_grouped", "sm90"))
+        if k_grouped.tma_store_fits(config, 2, config.flat)
+    },
 }
 
 
 KERNELS = {
     "m_grouped": _m_grouped,
     "k_grouped": _k_grouped,
-    **{
-        name: (lambda c=config: _k_grouped(c, tma_store=True))
-        for name, config in _TMA_STORE_CANDIDATES.items()
-    },
+    **{name: (lambda f=f, c=c: f(c, tma_store=True)) for name, (f, c) in _TMA_STORE_CANDIDATES.items()},
     "m_grouped_ws-k-contiguous": lambda: _m_grouped_ws(True, False),
     "m_grouped_ws-n-contiguous": lambda: _m_grouped_ws(False, False),
     "m_grouped_ws_tma-k-contiguous": lambda: _m_grouped_ws(True, True),

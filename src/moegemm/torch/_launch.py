@@ -34,7 +34,7 @@ DIRECT_LAUNCH = os.environ.get("MOEGEMM_DIRECT_LAUNCH", "1") != "0"
 # kernel (kernels/m_grouped_ws.py). Off by default: on the H100 it ran at 0.87x (suite) and 0.93x (held-out)
 # of the Triton kernel, geomean (perf-notes 23). ``WS`` is read at call time, so a probe can flip it.
 WS = os.environ.get("MOEGEMM_WS", "0") == "1"
-# MOEGEMM_TMA_STORE=0 stores the k-grouped (wgrad) tiles from registers instead of through a TMA
+# MOEGEMM_TMA_STORE=0 stores the BF16/FP16 output tiles from registers instead of through a TMA
 # descriptor (perf-notes 24). Read at call time.
 TMA_STORE = os.environ.get("MOEGEMM_TMA_STORE", "1") != "0"
 
@@ -66,7 +66,8 @@ def _pick_config(op: str, target: str, device_name: str, programs: int, dtype, *
 # Launch descriptions depend only on static facts (shapes, dtype, device, stride class), so they are
 # memoized.
 @functools.lru_cache(maxsize=4096)
-def _m_launch(M, N, K, G, dtype, device, max_stride, w_k_contiguous, has_bias) -> MGroupedLaunch:
+def _m_launch(M, N, K, G, dtype, device, max_stride, w_k_contiguous, has_bias, tma_store) -> MGroupedLaunch:
+    """tma_store: out can take a TMA descriptor (as in _k_launch)."""
     target, device_name, programs = _target(device)
     config = _pick_config("m_grouped", target, device_name, programs, dtype, G=G, N=N, K=K, M=M)
     return MGroupedLaunch.make(
@@ -81,6 +82,7 @@ def _m_launch(M, N, K, G, dtype, device, max_stride, w_k_contiguous, has_bias) -
         max_stride=max_stride,
         w_k_contiguous=w_k_contiguous,
         has_bias=has_bias,
+        tma_store=tma_store and target in ("sm90", "interpret"),
     )
 
 
@@ -240,6 +242,7 @@ def _device_guard(device: torch.device):
 
 
 M_GROUPED = DirectLaunch(m_grouped_mm_kernel)
+M_GROUPED_TMA = DirectLaunch(m_grouped_mm_kernel, descriptors=True)
 M_GROUPED_WS = DirectLaunch(ws.m_grouped_mm_ws_kernel)
 M_GROUPED_WS_TMA = DirectLaunch(ws.m_grouped_mm_ws_tma_kernel, descriptors=True)
 K_GROUPED = DirectLaunch(k_grouped_mm_kernel)
@@ -253,6 +256,7 @@ def clear_launch_cache() -> None:
     _ws_device.cache_clear()
     _k_launch.cache_clear()
     M_GROUPED.clear()
+    M_GROUPED_TMA.clear()
     M_GROUPED_WS.clear()
     M_GROUPED_WS_TMA.clear()
     K_GROUPED.clear()
@@ -295,6 +299,10 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
                     lambda: ws_launch,
                 )
             return
+    # A TMA descriptor over out [M, N]: N contiguous, the row stride and the base 16-byte aligned.
+    tma_store = (
+        TMA_STORE and out.element_size() == 2 and so[1] == 1 and so[0] % 8 == 0 and out.data_ptr() % 16 == 0
+    )
     spec = (
         M,
         N,
@@ -305,14 +313,23 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
         max(map(abs, (*sx, sw[1], sw[2], *so, sb[1]))),
         sw[1] == 1 and sw[2] != 1,
         bias is not None,
+        tma_store,
     )
-    M_GROUPED.launch(
-        spec,
-        # No group offset (HAS_GROUP_OFFSET=False): the kernel never reads that slot; group_sizes fills it.
-        (x, w, group_sizes, group_sizes, x if bias is None else bias, out),
-        (M, N, K, G, G, *sx, *sw, *so, *sb),
-        lambda: _m_launch(*spec),
-    )
+    b = x if bias is None else bias
+    ints = (M, N, K, G, G, *sx, *sw, *so, *sb)
+    if tma_store:
+        launch = _m_launch(*spec)
+        if launch.meta["TMA_STORE"]:
+            out_desc = TlTensorDescriptor(
+                out, [M, N], [so[0], 1], [launch.meta["BLOCK_M"], launch.meta["BLOCK_N"]]
+            )
+            M_GROUPED_TMA.launch(
+                spec, (x, w, group_sizes, group_sizes, b, out_desc, out), ints, lambda: launch
+            )
+            return
+    # No group offset (HAS_GROUP_OFFSET=False): the kernel never reads that slot; group_sizes fills it.
+    # Without TMA_STORE it never reads out_desc; out fills that slot.
+    M_GROUPED.launch(spec, (x, w, group_sizes, group_sizes, b, out, out), ints, lambda: _m_launch(*spec))
 
 
 def _tma_descriptors(launch: ws.MGroupedWsLaunch, x, w, N: int) -> tuple:
