@@ -2,6 +2,7 @@
 next to torch._grouped_mm, on the BF16 m-grouped (fwd, dgrad) and k-grouped (wgrad) launches.
 
     OUT=/tmp/probe python scripts/probe_tma_store.py [--cases suite,heldout] [--ops wgrad] [--configs pick,0,1]
+    OUT=/tmp/probe python scripts/probe_tma_store.py --host     # host cost per call, TMA store on vs off
 
 Configs: "pick" is what the launcher picks (cache, then cost model), an integer forces that entry of
 ``configs.candidates(op, "sm90")``. Each variant runs with the TMA store on and off (a config whose
@@ -75,12 +76,48 @@ def calls(op, x, w, dy, gs, offs):
     )
 
 
+def host(rounds: int = 7, calls: int = 200) -> None:
+    """Host time per call of the public ops on the --overhead shape (G 8, M 128, K 64, N 64, bf16; GPU
+    work negligible), the TMA store on and off taking turns over rounds: median of the round medians."""
+    from moegemm.bench.overhead import median_host_us
+    from moegemm.torch import k_grouped_mm, m_grouped_mm
+
+    G, M, K, N = 8, 128, 64, 64
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    gs = torch.full((G,), M // G, dtype=torch.int32, device="cuda")
+    ops = {
+        "fwd": lambda: m_grouped_mm(x, w.mT, gs),
+        "wgrad": lambda: k_grouped_mm(dy, x, gs, out_dtype=torch.bfloat16),
+    }
+    samples = {(op, tma): [] for op in ops for tma in (False, True)}
+    for tma in (False, True):  # compile and bind both paths first
+        _launch.TMA_STORE = tma
+        for fn in ops.values():
+            fn()
+    torch.cuda.synchronize()
+    for _ in range(rounds):
+        for (op, tma), values in samples.items():
+            _launch.TMA_STORE = tma
+            values.append(median_host_us(ops[op], calls))
+            torch.cuda.synchronize()
+    for (op, tma), values in samples.items():
+        values.sort()
+        record(kind="host", op=op, tma_store=tma, host_us=values[len(values) // 2], rounds=values)
+    _launch.TMA_STORE = True
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
+    p.add_argument("--host", action="store_true")
     p.add_argument("--cases", default="suite,heldout")
     p.add_argument("--ops", default="fwd,dgrad,wgrad")
     p.add_argument("--configs", default="pick")
     args = p.parse_args()
+    if args.host:
+        host()
+        return 0
     names = []
     for part in args.cases.split(","):
         if part in ("suite", "heldout"):

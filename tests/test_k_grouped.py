@@ -244,22 +244,42 @@ class TestKGroupedTritonTmaStore(KGroupedTest):
 
     @pytest.fixture(autouse=True)
     def spy(self, monkeypatch):
+        from moegemm import configs
+        from moegemm.kernels import k_grouped
         from moegemm.torch import _launch
 
         monkeypatch.setattr(_launch, "TMA_STORE", True)
+        monkeypatch.setattr(_launch, "TMA_STORE_MIN_FLOPS", 0)  # the tests' problems are tiny
+        # On a GPU the picked config may leave no shared memory for the staging tile (it then stores
+        # from registers, by design); this class tests the TMA path, so it takes the default config there.
+        inner = configs.pick_config
+
+        def pick(op, target, **kw):
+            config = inner(op, target, **kw)
+            if op == "k_grouped" and not k_grouped.tma_store_fits(config, 2, config.flat):
+                config = configs.candidates(op, target)[0]
+                if kw.get("dtype") == "float32":  # as pick_config: 4-byte operands take half the step
+                    config = dataclasses.replace(config, block_r=config.block_r // 2)
+            return config
+
+        monkeypatch.setattr(configs, "pick_config", pick)
+        _launch.clear_launch_cache()
         calls = []
         for name in ("K_GROUPED", "K_GROUPED_TMA"):
             direct = getattr(_launch, name)
             monkeypatch.setattr(
-                direct, "launch", lambda *a, name=name, inner=direct.launch: (calls.append(name), inner(*a))
+                direct,
+                "launch",
+                lambda *a, name=name, inner=direct.launch: (calls.append((name, a[0])), inner(*a)),
             )
         self.calls = calls
         yield
+        _launch.clear_launch_cache()
 
     def check(self, *args, **kwargs):
         before = len(self.calls)
         out = super().check(*args, **kwargs)
-        launched = self.calls[before:]
+        launched = [name for name, _ in self.calls[before:]]
         if out.dtype != torch.float32 and launched:
             # A fresh out [G, K, N] has rows N elements apart: a descriptor needs them 16-byte aligned.
             want = "K_GROUPED_TMA" if out.stride(1) % 8 == 0 else "K_GROUPED"
@@ -279,12 +299,27 @@ class TestKGroupedTritonTmaStore(KGroupedTest):
         out = base[offset : offset + 3 * K * N].view(3, K, N)
         before = len(self.calls)
         k_grouped_mm(a, b, gs, out=out, backend=self.BACKEND)
-        assert self.calls[before:] == [path]
+        assert [name for name, _ in self.calls[before:]] == [path]
         assert_rel_close(out.cpu(), reference(a, b, gs), torch.bfloat16, what=f"out= view at {offset}")
         assert torch.equal(out[1].cpu(), torch.zeros(K, N, dtype=torch.bfloat16)), "empty group not 0"
         outside = torch.ones_like(base, dtype=torch.bool)
         outside[offset : offset + 3 * K * N] = False
         assert base[outside].isnan().all(), "wrote outside the view"
+
+    def test_small_launches_store_from_registers(self, monkeypatch):
+        """Below TMA_STORE_MIN_FLOPS (2 M N K) the launch keeps the register store: the descriptor's host
+        cost would not hide behind so short a launch."""
+        from moegemm.torch import _launch
+
+        M, K, N, sizes = 40, 16, 24, [25, 15]
+        a, b = make_inputs(M, K, N, torch.bfloat16, seed=8)
+        gs = torch.tensor(sizes, device=DEVICE)
+        for min_flops, path in ((2 * M * N * K + 1, "K_GROUPED"), (2 * M * N * K, "K_GROUPED_TMA")):
+            monkeypatch.setattr(_launch, "TMA_STORE_MIN_FLOPS", min_flops)
+            before = len(self.calls)
+            out = k_grouped_mm(a, b, gs, out_dtype=torch.bfloat16, backend=self.BACKEND)
+            assert [name for name, _ in self.calls[before:]] == [path]
+            assert_rel_close(out.cpu(), reference(a, b, gs), torch.bfloat16, what=f"min_flops {min_flops}")
 
     def test_row_stride_not_aligned_falls_back(self):
         """out[g] rows 20 elements apart (40 bytes): no descriptor can describe them; the register store runs."""
@@ -294,7 +329,7 @@ class TestKGroupedTritonTmaStore(KGroupedTest):
         base = torch.full((2, K, 20), float("nan"), device=DEVICE, dtype=torch.bfloat16)
         before = len(self.calls)
         k_grouped_mm(a, b, gs, out=base[:, :, :N], backend=self.BACKEND)
-        assert self.calls[before:] == ["K_GROUPED"]
+        assert [name for name, _ in self.calls[before:]] == ["K_GROUPED"]
         assert_rel_close(base[:, :, :N].cpu(), reference(a, b, gs), torch.bfloat16, what="strided out=")
         assert base[:, :, N:].isnan().all()
 

@@ -142,6 +142,6 @@ def test_direct_launches_compute_the_same_on_gpu(dtype):
             x.double().cpu(), out.double().cpu(), gs.cpu(), out_dtype=torch.float64
         )
         assert_rel_close(dw.cpu(), want_dw, dtype, what=f"k_grouped call {seed}")
-    # bf16 out [M, 24] takes the TMA store (rows 48 bytes apart); fp32 out, and the fp32 dw, do not.
-    assert (_launch.M_GROUPED_TMA if dtype == torch.bfloat16 else _launch.M_GROUPED).bound
-    assert _launch.K_GROUPED.bound
+    # A problem this small stores from registers (TMA_STORE_MIN_FLOPS); test_m_grouped and test_k_grouped
+    # cover the TMA-store launches.
+    assert _launch.M_GROUPED.bound and _launch.K_GROUPED.bound

@@ -357,10 +357,12 @@ def k_grouped_mm_kernel(
 def tma_store_fits(config, in_itemsize: int, flat: bool) -> bool:
     """Whether the TMA store's bf16 staging tile (BLOCK_K x BLOCK_N) fits next to the operand ring at
     the config's CTAs per SM. The estimate matches what Triton 3.6 allocated for every k_grouped
-    candidate compiled for sm_90a (the ring, plus 8 KB of scratch the flat loop keeps), with SHARED_MARGIN to spare;
-    tests/test_sm90_compile.py compiles every candidate it admits."""
+    candidate compiled for sm_90a, nested and flat: the ring, the staging tile, and for the flat loop
+    8 KB (4 warps) or 32 KB (8 warps) of scratch it keeps live, with SHARED_MARGIN to spare;
+    tests/test_sm90_compile.py compiles every candidate it admits, both loops."""
     ring = config.num_stages * config.block_r * (config.block_k + config.block_n) * in_itemsize
-    shared = ring + config.block_k * config.block_n * 2 + (8192 if flat else 0) + SHARED_MARGIN
+    flat_scratch = 512 * config.num_warps**2 if flat else 0
+    shared = ring + config.block_k * config.block_n * 2 + flat_scratch + SHARED_MARGIN
     return config.ctas_per_sm * (shared + SM90_SHARED_RESERVED_PER_CTA) <= SM90_SHARED_PER_SM
 
 

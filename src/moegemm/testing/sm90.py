@@ -16,6 +16,7 @@ Gluon kernels call are interpreted functions, which the compiler refuses.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -149,10 +150,15 @@ _TMA_STORE_CANDIDATES = {
         for i, config in enumerate(configs.candidates("m_grouped", "sm90"))
         if m_grouped.tma_store_fits(config, 2)
     },
+    # Both loops of each k_grouped candidate: the flat loop can be forced onto any config.
     **{
-        f"k_grouped_tma_store-{i}": (_k_grouped, config)
+        f"k_grouped_tma_store-{i}{'-flat' if flat else ''}": (
+            _k_grouped,
+            dataclasses.replace(config, flat=flat),
+        )
         for i, config in enumerate(configs.candidates("k_grouped", "sm90"))
-        if k_grouped.tma_store_fits(config, 2, config.flat)
+        for flat in (False, True)
+        if k_grouped.tma_store_fits(config, 2, flat)
     },
 }
 

@@ -34,9 +34,13 @@ DIRECT_LAUNCH = os.environ.get("MOEGEMM_DIRECT_LAUNCH", "1") != "0"
 # kernel (kernels/m_grouped_ws.py). Off by default: on the H100 it ran at 0.87x (suite) and 0.93x (held-out)
 # of the Triton kernel, geomean (perf-notes 23). ``WS`` is read at call time, so a probe can flip it.
 WS = os.environ.get("MOEGEMM_WS", "0") == "1"
-# MOEGEMM_TMA_STORE=0 stores the BF16/FP16 output tiles from registers instead of through a TMA
-# descriptor (perf-notes 24). Read at call time.
+# BF16/FP16 output tiles go through a TMA descriptor (the bulk copy runs under the next tile's main
+# loop) on launches of at least TMA_STORE_MIN_FLOPS: on the H100 that gained 0.5% geomean device time
+# over the 57 suite and held-out case-ops and 3-7% on the large compute-bound ones, and it costs the
+# host ~22 us more per launch (descriptor encoding in Triton's launcher), which only a launch running
+# longer than that hides (perf-notes 24). MOEGEMM_TMA_STORE=0 turns it off. Both are read at call time.
 TMA_STORE = os.environ.get("MOEGEMM_TMA_STORE", "1") != "0"
+TMA_STORE_MIN_FLOPS = 5e10
 
 
 @functools.cache
@@ -301,7 +305,12 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
             return
     # A TMA descriptor over out [M, N]: N contiguous, the row stride and the base 16-byte aligned.
     tma_store = (
-        TMA_STORE and out.element_size() == 2 and so[1] == 1 and so[0] % 8 == 0 and out.data_ptr() % 16 == 0
+        TMA_STORE
+        and 2 * M * N * K >= TMA_STORE_MIN_FLOPS
+        and out.element_size() == 2
+        and so[1] == 1
+        and so[0] % 8 == 0
+        and out.data_ptr() % 16 == 0
     )
     spec = (
         M,
@@ -370,6 +379,7 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) ->
     # A TMA descriptor over out [G, K, N]: N contiguous, the other strides and the base 16-byte aligned.
     tma_store = (
         TMA_STORE
+        and 2 * M * N * K >= TMA_STORE_MIN_FLOPS
         and not accumulate
         and out.element_size() == 2
         and N > 0
