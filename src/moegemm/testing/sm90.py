@@ -116,12 +116,13 @@ def _m_grouped(config=None, tma_store: bool = False):
     return m_grouped.m_grouped_mm_kernel, meta, pointers, values
 
 
-def _k_grouped(config=None, tma_store: bool = False):
-    """The BF16 wgrad: out [G, N, K] = dy[rows]^T @ x[rows], bf16 out (the default config unless given)."""
+def _k_grouped(config=None, tma_store: bool = False, a_colsum: bool = False):
+    """The BF16 wgrad: out [G, N, K] = dy[rows]^T @ x[rows], bf16 out (the default config unless given),
+    with ``a_colsum`` also GroupedLinear's bias gradient from the same launch."""
     config = config or configs.candidates("k_grouped", "sm90")[0]
     launch = k_grouped.KGroupedLaunch.make(
         M, K, N, G, config=config, num_programs_cap=132, fp32_inputs=False, accumulate=False, interpret=False,
-        out_itemsize=2, tma_store=tma_store,
+        out_itemsize=2, tma_store=tma_store, a_colsum=a_colsum,
     )  # fmt: skip
     assert launch.meta["TMA_STORE"] == tma_store, config
     pointers = {
@@ -166,6 +167,7 @@ _TMA_STORE_CANDIDATES = {
 KERNELS = {
     "m_grouped": _m_grouped,
     "k_grouped": _k_grouped,
+    "k_grouped_tma_store-colsum": lambda: _k_grouped(tma_store=True, a_colsum=True),
     **{name: (lambda f=f, c=c: f(c, tma_store=True)) for name, (f, c) in _TMA_STORE_CANDIDATES.items()},
     "m_grouped_ws-k-contiguous": lambda: _m_grouped_ws(True, False),
     "m_grouped_ws-n-contiguous": lambda: _m_grouped_ws(False, False),
