@@ -39,3 +39,41 @@ def poison_outputs(monkeypatch):
 @pytest.fixture
 def device() -> str:
     return DEVICE
+
+
+def spy_store_paths(monkeypatch, op: str) -> list[tuple[str, tuple]]:
+    """For the TMA-store test classes of ``op`` ("m_grouped" or "k_grouped"): the TMA store on at any
+    problem size, and, where the picked config leaves no shared memory for the staging tile (it then stores
+    from registers, by design; on a GPU), the table's default config instead. Returns the list that
+    records (launch name, spec) per launch: "M_GROUPED"/"K_GROUPED" (register store) or the "_TMA" one."""
+    import dataclasses
+
+    from moegemm import configs
+    from moegemm.kernels import k_grouped, m_grouped
+    from moegemm.torch import _launch
+
+    monkeypatch.setattr(_launch, "TMA_STORE", True)
+    monkeypatch.setattr(_launch, "TMA_STORE_MIN_FLOPS", 0)  # the tests' problems are tiny
+    fits = {
+        "m_grouped": lambda c: m_grouped.tma_store_fits(c, 2),
+        "k_grouped": lambda c: k_grouped.tma_store_fits(c, 2, c.flat),
+    }[op]
+    step = "block_k" if op == "m_grouped" else "block_r"
+    inner = configs.pick_config
+
+    def pick(kind, target, **kw):
+        config = inner(kind, target, **kw)
+        if kind == op and not fits(config):
+            config = configs.candidates(kind, target)[0]
+            if kw.get("dtype") == "float32":  # as pick_config: 4-byte operands take half the step
+                config = dataclasses.replace(config, **{step: getattr(config, step) // 2})
+        return config
+
+    monkeypatch.setattr(configs, "pick_config", pick)
+    _launch.clear_launch_cache()
+    calls = []
+    for name in (op.upper(), op.upper() + "_TMA"):
+        direct = getattr(_launch, name)
+        record = lambda *a, name=name, inner=direct.launch: (calls.append((name, a[0])), inner(*a))  # noqa: E731
+        monkeypatch.setattr(direct, "launch", record)
+    return calls

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, spy_store_paths
 
 from moegemm import shapes
 from moegemm.testing import assert_rel_close, oracle
@@ -245,35 +245,9 @@ class TestKGroupedTritonTmaStore(KGroupedTest):
 
     @pytest.fixture(autouse=True)
     def spy(self, monkeypatch):
-        from moegemm import configs
-        from moegemm.kernels import k_grouped
         from moegemm.torch import _launch
 
-        monkeypatch.setattr(_launch, "TMA_STORE", True)
-        monkeypatch.setattr(_launch, "TMA_STORE_MIN_FLOPS", 0)  # the tests' problems are tiny
-        # On a GPU the picked config may leave no shared memory for the staging tile (it then stores
-        # from registers, by design); this class tests the TMA path, so it takes the default config there.
-        inner = configs.pick_config
-
-        def pick(op, target, **kw):
-            config = inner(op, target, **kw)
-            if op == "k_grouped" and not k_grouped.tma_store_fits(config, 2, config.flat):
-                config = configs.candidates(op, target)[0]
-                if kw.get("dtype") == "float32":  # as pick_config: 4-byte operands take half the step
-                    config = dataclasses.replace(config, block_r=config.block_r // 2)
-            return config
-
-        monkeypatch.setattr(configs, "pick_config", pick)
-        _launch.clear_launch_cache()
-        calls = []
-        for name in ("K_GROUPED", "K_GROUPED_TMA"):
-            direct = getattr(_launch, name)
-            monkeypatch.setattr(
-                direct,
-                "launch",
-                lambda *a, name=name, inner=direct.launch: (calls.append((name, a[0])), inner(*a)),
-            )
-        self.calls = calls
+        self.calls = spy_store_paths(monkeypatch, "k_grouped")
         yield
         _launch.clear_launch_cache()
 

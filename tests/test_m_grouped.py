@@ -7,11 +7,9 @@ plain-torch twin. Both are checked against ``moegemm.testing.oracle``, which sha
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
-from conftest import DEVICE, needs_cuda
+from conftest import DEVICE, needs_cuda, spy_store_paths
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -116,35 +114,9 @@ class TestMGroupedTritonTmaStore(MGroupedTest):
 
     @pytest.fixture(autouse=True)
     def spy(self, monkeypatch):
-        from moegemm import configs
-        from moegemm.kernels import m_grouped
         from moegemm.torch import _launch
 
-        monkeypatch.setattr(_launch, "TMA_STORE", True)
-        monkeypatch.setattr(_launch, "TMA_STORE_MIN_FLOPS", 0)  # the tests' problems are tiny
-        # On a GPU the picked config may leave no shared memory for the staging tile (it then stores
-        # from registers, by design); this class tests the TMA path, so it takes the default config there.
-        inner = configs.pick_config
-
-        def pick(op, target, **kw):
-            config = inner(op, target, **kw)
-            if op == "m_grouped" and not m_grouped.tma_store_fits(config, 2):
-                config = configs.candidates(op, target)[0]
-                if kw.get("dtype") == "float32":  # as pick_config: 4-byte operands take half the step
-                    config = dataclasses.replace(config, block_k=config.block_k // 2)
-            return config
-
-        monkeypatch.setattr(configs, "pick_config", pick)
-        _launch.clear_launch_cache()
-        calls = []
-        for name in ("M_GROUPED", "M_GROUPED_TMA"):
-            direct = getattr(_launch, name)
-            monkeypatch.setattr(
-                direct,
-                "launch",
-                lambda *a, name=name, inner=direct.launch: (calls.append((name, a[0])), inner(*a)),
-            )
-        self.calls = calls
+        self.calls = spy_store_paths(monkeypatch, "m_grouped")
         yield
         _launch.clear_launch_cache()
 

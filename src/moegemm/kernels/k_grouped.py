@@ -88,47 +88,22 @@ def _k_epilogue(
             acc.to(out_desc.dtype)[None, :, :],
         )
     else:
-        _k_store(c_ptr, out_ptr, acc, g, k_tile, n_tile, has_rows, offs_k, offs_n, k_mask, col_mask, stride_og,
-                 stride_ok, stride_on, BLOCK_K, BLOCK_N, ACCUMULATE)  # fmt: skip
-
-
-@triton.jit
-def _k_store(
-    c_ptr,
-    out_ptr,
-    acc,
-    g,
-    k_tile,
-    n_tile,
-    has_rows,
-    offs_k,
-    offs_n,
-    k_mask,
-    col_mask,
-    stride_og: tl.constexpr,
-    stride_ok: tl.constexpr,
-    stride_on: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
-):
-    """The pointer store of one tile, masked at out[g]'s edges."""
-    out_offs = (
-        g.to(tl.int64) * stride_og
-        + (k_tile * BLOCK_K).to(tl.int64) * stride_ok
-        + (n_tile * BLOCK_N).to(tl.int64) * stride_on
-        + (offs_k[:, None] * stride_ok + offs_n[None, :] * stride_on)
-    )
-    out_mask = k_mask[:, None] & col_mask[None, :]
-    if ACCUMULATE:
-        # An empty group leaves out[g] as it was: no read and no write (storing 0 + old would turn
-        # -0.0 into +0.0). c shares out's strides; it is out itself in PyTorch, and in JAX the input
-        # aliased to out (input_output_aliases), so skipped elements keep c's values either way.
-        if has_rows:
-            acc += tl.load(c_ptr + out_offs, mask=out_mask, other=0.0).to(tl.float32)
+        out_offs = (
+            g.to(tl.int64) * stride_og
+            + (k_tile * BLOCK_K).to(tl.int64) * stride_ok
+            + (n_tile * BLOCK_N).to(tl.int64) * stride_on
+            + (offs_k[:, None] * stride_ok + offs_n[None, :] * stride_on)
+        )
+        out_mask = k_mask[:, None] & col_mask[None, :]
+        if ACCUMULATE:
+            # An empty group leaves out[g] as it was: no read and no write (storing 0 + old would turn
+            # -0.0 into +0.0). c shares out's strides; it is out itself in PyTorch, and in JAX the input
+            # aliased to out (input_output_aliases), so skipped elements keep c's values either way.
+            if has_rows:
+                acc += tl.load(c_ptr + out_offs, mask=out_mask, other=0.0).to(tl.float32)
+                tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
             tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
