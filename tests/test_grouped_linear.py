@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, needs_cuda
+from conftest import DEVICE, needs_cuda, spy_store_paths
 from torch import nn
 
 from moegemm import shapes
@@ -452,6 +452,27 @@ class GroupedLinearTest:
 class TestTriton(GroupedLinearTest):
     BACKEND = "triton"
     pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.gpu
+def test_bfloat16_through_tma_store(monkeypatch):
+    """A bf16 layer whose dgrad and wgrad (+ the fused dbias sums) store through TMA descriptors, forced
+    at this size; fwd's out [M, 20] has rows 40 bytes apart, so it stores from registers."""
+    m_calls = spy_store_paths(monkeypatch, "m_grouped")
+    k_calls = spy_store_paths(monkeypatch, "k_grouped")
+    torch.manual_seed(3)
+    module = GroupedLinear(G, K, N, True, dtype=torch.bfloat16, device=DEVICE, backend="triton")
+    x, dy = make_inputs(torch.bfloat16, seed=3)
+    y = module(x, SIZES)
+    y.backward(dy)
+    ry, rdx, rdw, rdb = linear_loop(module, x, SIZES, dy)
+    assert_rel_close(y.detach().cpu(), ry, torch.bfloat16, what="tma y")
+    assert_rel_close(x.grad.cpu(), rdx, torch.bfloat16, what="tma dx")
+    assert_rel_close(module.weight.grad.cpu(), rdw, torch.bfloat16, what="tma dweight")
+    assert_rel_close(module.bias.grad.cpu(), rdb, torch.bfloat16, what="tma dbias")
+    assert torch.equal(module.weight.grad[1].cpu(), torch.zeros(N, K, dtype=torch.bfloat16)), "empty expert"
+    assert [name for name, _ in m_calls] == ["M_GROUPED", "M_GROUPED_TMA"]  # fwd, dgrad
+    assert [name for name, _ in k_calls] == ["K_GROUPED_TMA"]  # wgrad with the dbias sums
 
 
 # ---------------------------------------------------------------- GPU only
