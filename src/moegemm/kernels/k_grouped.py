@@ -12,7 +12,8 @@ where they are (no row copies).
 
 Persistent kernel over the static tile space G x cdiv(K, BLOCK_K) x cdiv(N, BLOCK_N), group-major
 so that the programs running together share one group's rows of a and b in L2. The reduction runs
-over that group's rows in steps of BLOCK_R.
+over that group's rows in steps of BLOCK_R. With ``TMA_STORE`` (a 2-byte out, PyTorch on sm90) a finished
+tile leaves through shared memory and a bulk tensor copy that runs under the next tile's reduction.
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ Persistent kernel. The tile space is laid out group by group: group g owns
 owns the unowned tail rows, which are zero-filled (with a group offset the unowned rows before and
 after the local groups are zero tiles interleaved with the GEMM tiles). The real number of tiles is only known on
 the device, so the grid is ``min(upper bound, programs)`` and each program strides over the
-tile space until the device-side total.
+tile space until the device-side total. With ``TMA_STORE`` (a 2-byte out, PyTorch on sm90) a tile whose
+rows all belong to its group leaves through shared memory and a bulk tensor copy that runs under the
+next tile's main loop; a group's partial last tile keeps the masked store.
 """
 
 from __future__ import annotations

@@ -35,10 +35,11 @@ DIRECT_LAUNCH = os.environ.get("MOEGEMM_DIRECT_LAUNCH", "1") != "0"
 # of the Triton kernel, geomean (perf-notes 23). ``WS`` is read at call time, so a probe can flip it.
 WS = os.environ.get("MOEGEMM_WS", "0") == "1"
 # BF16/FP16 output tiles go through a TMA descriptor (the bulk copy runs under the next tile's main
-# loop) on launches of at least TMA_STORE_MIN_FLOPS: on the H100 that gained 0.5% geomean device time
-# over the 57 suite and held-out case-ops and 3-7% on the large compute-bound ones, and it costs the
-# host ~22 us more per launch (descriptor encoding in Triton's launcher), which only a launch running
-# longer than that hides (perf-notes 24). MOEGEMM_TMA_STORE=0 turns it off. Both are read at call time.
+# loop) on launches of at least TMA_STORE_MIN_FLOPS: on the H100 that gained 0.6% geomean device time
+# over the 57 suite and held-out case-ops (three A/B runs; +7% on one case, -9% on another), and it
+# costs the host ~22 us more per launch (descriptor encoding in Triton's launcher), which only a launch
+# running longer than that hides (perf-notes 24). MOEGEMM_TMA_STORE=0 turns it off. Both are read at
+# call time.
 TMA_STORE = os.environ.get("MOEGEMM_TMA_STORE", "1") != "0"
 TMA_STORE_MIN_FLOPS = 5e10
 
