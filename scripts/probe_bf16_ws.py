@@ -183,13 +183,7 @@ def main() -> int:
     if args.what == "check":
         check(config_texts)
     else:
-        names = []
-        for part in args.cases.split(","):
-            if part in ("suite", "heldout"):
-                names += [c.name for c in (shapes.SUITE if part == "suite" else shapes.HELDOUT)]
-            else:
-                names.append(part)
-        time_cases(names, config_texts)
+        time_cases([case.name for case in shapes.select(args.cases.split(","))], config_texts)
     return 0
 
 

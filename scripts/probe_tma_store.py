@@ -118,14 +118,8 @@ def main() -> int:
     if args.host:
         host()
         return 0
-    names = []
-    for part in args.cases.split(","):
-        if part in ("suite", "heldout"):
-            names += [c.name for c in (shapes.SUITE if part == "suite" else shapes.HELDOUT)]
-        else:
-            names.append(part)
-    for name in names:
-        case = shapes.get(name)
+    for case in shapes.select(args.cases.split(",")):
+        name = case.name
         sizes = shapes.group_sizes(case.M, case.G)
         gs = torch.tensor(sizes, dtype=torch.int32, device="cuda")
         offs = gs.cumsum(0).to(torch.int32)

@@ -87,6 +87,13 @@ def get(name: str) -> Case:
     raise KeyError(f"unknown case {name!r}; known: {[c.name for c in ALL]}")
 
 
+def select(names: list[str]) -> list[Case]:
+    """The cases ``names`` lists, in order: a whole set ("suite", "heldout", "tiny", "all") or one case by
+    name. Raises KeyError naming an unknown case."""
+    sets = {"suite": SUITE, "heldout": HELDOUT, "tiny": TINY, "all": ALL}
+    return [case for name in names for case in (sets[name] if name in sets else (get(name),))]
+
+
 def case_set(name: str) -> str:
     """The registry set a case name belongs to: "suite", "heldout", "tiny", or "custom" (TE-style or
     jagged cases built on the command line)."""

@@ -119,17 +119,13 @@ def select_cases(args, shapes, cuda: bool):
             shapes.te_case(args.num_experts, args.ep_size, args.hidden_dim, args.expert_dim, args.tokens, fc)
             for fc in (1, 2)
         ]
-    sets = {"suite": shapes.SUITE, "heldout": shapes.HELDOUT, "tiny": shapes.TINY, "all": shapes.ALL}
     names = _csv(args.cases)
     if not names:
         return list(shapes.SUITE if cuda else shapes.TINY)
-    cases = []
-    for name in names:
-        try:
-            cases.extend(sets[name] if name in sets else [shapes.get(name)])
-        except KeyError as exc:
-            raise SystemExit(str(exc)) from None
-    return cases
+    try:
+        return shapes.select(names)
+    except KeyError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def main(argv=None) -> int:

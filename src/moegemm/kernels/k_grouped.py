@@ -24,12 +24,10 @@ import triton
 import triton.language as tl
 
 from moegemm.kernels.schedule import (
-    SHARED_MARGIN,
-    SM90_SHARED_PER_SM,
-    SM90_SHARED_RESERVED_PER_CTA,
     group_row_bounds,
     local_group_row_bounds,
     pick,
+    sm90_shared_fits,
     swizzle_tile,
 )
 
@@ -338,8 +336,7 @@ def tma_store_fits(config, in_itemsize: int, flat: bool) -> bool:
     tests/test_sm90_compile.py compiles every candidate it admits, both loops."""
     ring = config.num_stages * config.block_r * (config.block_k + config.block_n) * in_itemsize
     flat_scratch = 512 * config.num_warps**2 if flat else 0
-    shared = ring + config.block_k * config.block_n * 2 + flat_scratch + SHARED_MARGIN
-    return config.ctas_per_sm * (shared + SM90_SHARED_RESERVED_PER_CTA) <= SM90_SHARED_PER_SM
+    return sm90_shared_fits(ring + config.block_k * config.block_n * 2 + flat_scratch, config.ctas_per_sm)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,14 +25,7 @@ import dataclasses
 import triton
 import triton.language as tl
 
-from moegemm.kernels.schedule import (
-    SHARED_MARGIN,
-    SM90_SHARED_PER_SM,
-    SM90_SHARED_RESERVED_PER_CTA,
-    locate_row_tile,
-    m_grouped_tile_space,
-    store_zero_tiles,
-)
+from moegemm.kernels.schedule import locate_row_tile, m_grouped_tile_space, sm90_shared_fits, store_zero_tiles
 
 
 @triton.jit
@@ -179,8 +172,7 @@ def tma_store_fits(config, in_itemsize: int) -> bool:
     """Whether the TMA store's 2-byte staging tile (BLOCK_M x BLOCK_N) fits next to the operand ring at
     the config's CTAs per SM (the estimate k_grouped.tma_store_fits explains)."""
     ring = config.num_stages * config.block_k * (config.block_m + config.block_n) * in_itemsize
-    shared = ring + config.block_m * config.block_n * 2 + SHARED_MARGIN
-    return config.ctas_per_sm * (shared + SM90_SHARED_RESERVED_PER_CTA) <= SM90_SHARED_PER_SM
+    return sm90_shared_fits(ring + config.block_m * config.block_n * 2, config.ctas_per_sm)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,11 @@ SM90_SHARED_RESERVED_PER_CTA = 1024
 SHARED_MARGIN = 2048
 
 
+def sm90_shared_fits(shared_bytes: int, ctas_per_sm: int) -> bool:
+    """Whether ``ctas_per_sm`` CTAs of ``shared_bytes`` each (plus SHARED_MARGIN) fit one sm90 SM."""
+    return ctas_per_sm * (shared_bytes + SHARED_MARGIN + SM90_SHARED_RESERVED_PER_CTA) <= SM90_SHARED_PER_SM
+
+
 @triton.jit
 def group_row_bounds(group_sizes_ptr, G, M, BLOCK_G: tl.constexpr):
     """Returns (offs, starts, ends) int64 vectors of length BLOCK_G (slots >= G are empty).

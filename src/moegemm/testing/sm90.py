@@ -67,6 +67,16 @@ def _desc(t, block):
     return triton.runtime.jit.mangle_type(TensorDescriptor(t, [16, 16], [16, 1], block, layout))
 
 
+def _tl_desc(block):
+    """The signature type of a bf16 Triton TensorDescriptor argument with this block (a stand-in tensor:
+    only its dtype and alignment matter)."""
+    rank = len(block)
+    t = torch.empty([16] * rank, dtype=torch.bfloat16)
+    return triton.runtime.jit.mangle_type(
+        TlTensorDescriptor(t, [16] * rank, [16 ** (rank - 1 - d) for d in range(rank)], block)
+    )
+
+
 def _m_grouped_fp8_ws():
     config = configs.candidates("m_grouped_fp8_ws", "sm90")[0]
     launch = m_grouped_fp8_ws.MGroupedFp8WsLaunch.make(
@@ -105,9 +115,7 @@ def _m_grouped(config=None, tma_store: bool = False):
         "bias_ptr": "*bf16", "out_desc": "*bf16", "out_ptr": "*bf16",
     }  # fmt: skip
     if tma_store:
-        block = [launch.meta["BLOCK_M"], launch.meta["BLOCK_N"]]
-        t = torch.empty(16, 16, dtype=torch.bfloat16)  # only its dtype and alignment matter here
-        pointers["out_desc"] = triton.runtime.jit.mangle_type(TlTensorDescriptor(t, [16, 16], [16, 1], block))
+        pointers["out_desc"] = _tl_desc([launch.meta["BLOCK_M"], launch.meta["BLOCK_N"]])
     values = dict(
         M=M, N=N, K=K, G=G, G_TOTAL=G, stride_xm=K, stride_xk=1, stride_wg=N * K, stride_wk=1, stride_wn=K,
         stride_om=N, stride_on=1, stride_bg=N, stride_bn=1,
@@ -130,11 +138,7 @@ def _k_grouped(config=None, tma_store: bool = False, a_colsum: bool = False):
         "a_colsum_ptr": "*bf16", "out_desc": "*bf16", "out_ptr": "*bf16",
     }  # fmt: skip
     if tma_store:
-        block = [1, launch.meta["BLOCK_K"], launch.meta["BLOCK_N"]]
-        t = torch.empty(16, 16, 16, dtype=torch.bfloat16)  # only its dtype and alignment matter here
-        pointers["out_desc"] = triton.runtime.jit.mangle_type(
-            TlTensorDescriptor(t, [16, 16, 16], [256, 16, 1], block)
-        )
+        pointers["out_desc"] = _tl_desc([1, launch.meta["BLOCK_K"], launch.meta["BLOCK_N"]])
     values = dict(
         M=M, N=K, K=N, G=G, G_TOTAL=G, stride_am=N, stride_ak=1, stride_bm=K, stride_bn=1, stride_og=N * K,
         stride_ok=K, stride_on=1, stride_sg=0, stride_sk=0,
