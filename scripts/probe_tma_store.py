@@ -155,7 +155,7 @@ def main() -> int:
                 if config is not None:
                     itemsize = 2
                     fits = (
-                        k_grouped.tma_store_fits(config, itemsize, config.flat)
+                        k_grouped.tma_store_fits(config, itemsize)
                         if kind == "k_grouped"
                         else m_grouped.tma_store_fits(config, itemsize)
                     )

@@ -56,7 +56,7 @@ def spy_store_paths(monkeypatch, op: str) -> list[tuple[str, tuple]]:
     monkeypatch.setattr(_launch, "TMA_STORE_MIN_FLOPS", 0)  # the tests' problems are tiny
     fits = {
         "m_grouped": lambda c: m_grouped.tma_store_fits(c, 2),
-        "k_grouped": lambda c: k_grouped.tma_store_fits(c, 2, c.flat),
+        "k_grouped": lambda c: k_grouped.tma_store_fits(c, 2),
     }[op]
     step = "block_k" if op == "m_grouped" else "block_r"
     inner = configs.pick_config

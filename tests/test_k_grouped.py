@@ -202,27 +202,35 @@ class TestKGroupedTriton(KGroupedTest):
     pytestmark = pytest.mark.gpu
 
 
+def flat_configs(monkeypatch):
+    """Every k_grouped launch takes the flat loop (whichever config the target's table or model picks)."""
+    from moegemm import configs
+    from moegemm.torch import _launch
+
+    inner = configs.pick_config
+
+    def pick(op, target, **kw):
+        config = inner(op, target, **kw)
+        return dataclasses.replace(config, flat=True) if op == "k_grouped" else config
+
+    monkeypatch.setattr(configs, "pick_config", pick)
+    _launch.clear_launch_cache()
+
+
 class TestKGroupedTritonFlat(KGroupedTest):
     """The same cases through the flat loop (KGroupedConfig.flat: one loop over every reduction step
-    of a program's tiles), whichever config the target's table or model would pick."""
+    of a program's tiles), loading through cp.async with masks (MOEGEMM_TMA_LOAD=0)."""
 
     BACKEND = "triton"
     OUT_DTYPE = torch.bfloat16  # the flat loop runs for 2-byte outputs only
     pytestmark = pytest.mark.gpu
 
     @pytest.fixture(autouse=True)
-    def flat_configs(self, monkeypatch):
-        from moegemm import configs
+    def flat_cp_async(self, monkeypatch):
         from moegemm.torch import _launch
 
-        inner = configs.pick_config
-
-        def pick(op, target, **kw):
-            config = inner(op, target, **kw)
-            return dataclasses.replace(config, flat=True) if op == "k_grouped" else config
-
-        monkeypatch.setattr(configs, "pick_config", pick)
-        _launch.clear_launch_cache()
+        monkeypatch.setattr(_launch, "TMA_LOAD", False)
+        flat_configs(monkeypatch)
         yield
         _launch.clear_launch_cache()
 
@@ -231,8 +239,63 @@ class TestKGroupedTritonFlat(KGroupedTest):
         from moegemm.torch import _launch
 
         spec = (64, 16, 16, 2, torch.bfloat16, torch.device(DEVICE), 16, True, False, False)
-        assert _launch._k_launch(*spec, 2, False).meta["FLAT"]
-        assert not _launch._k_launch(*spec, 4, False).meta["FLAT"]
+        assert _launch._k_launch(*spec, 2, False, False).meta["FLAT"]
+        assert not _launch._k_launch(*spec, 4, False, False).meta["FLAT"]
+
+
+class TestKGroupedTritonFlatTmaLoad(KGroupedTest):
+    """The flat loop reading a and b through TMA descriptors the kernel makes per group, which end at the
+    group's last row (the copy engine zero-fills the rest of the last step). A spy checks every launch
+    took the path its inputs allow: 2-byte row-major a and b with 16-byte row strides and bases."""
+
+    BACKEND = "triton"
+    OUT_DTYPE = torch.bfloat16
+    pytestmark = pytest.mark.gpu
+
+    @pytest.fixture(autouse=True)
+    def spy(self, monkeypatch):
+        from moegemm.torch import _launch
+
+        monkeypatch.setattr(_launch, "TMA_LOAD", True)
+        flat_configs(monkeypatch)
+        self.specs = []
+        for direct in (_launch.K_GROUPED, _launch.K_GROUPED_TMA):
+            record = lambda *a, inner=direct.launch: (self.specs.append(a[0]), inner(*a))  # noqa: E731
+            monkeypatch.setattr(direct, "launch", record)
+        yield
+        _launch.clear_launch_cache()
+
+    def check(self, M, K, N, sizes, dtype=torch.bfloat16, out_dtype=None, transposed=False, seed=0):
+        from moegemm.torch import _launch
+
+        before = len(self.specs)
+        out = super().check(M, K, N, sizes, dtype, out_dtype, transposed, seed)
+        want = (
+            dtype.itemsize == 2 and out.dtype.itemsize == 2 and not transposed and K % 8 == 0 and N % 8 == 0
+        )
+        for spec in self.specs[before:]:
+            assert _launch._k_launch(*spec).meta["TMA_LOAD"] == want, (M, K, N, dtype, out.dtype, transposed)
+        return out
+
+    def test_edge_cases_take_tma_loads(self):
+        """Most named edge cases have K and N multiples of 8, so the class runs them through TMA loads."""
+        taken = [c.name for c in shapes.EDGE if c.K % 8 == 0 and c.N % 8 == 0]
+        assert {"hot-last-expert", "dirichlet-skew-with-empty", "all-empty", "zero-rows"} <= set(taken)
+
+    @pytest.mark.parametrize(
+        "sizes",
+        [[0, 0, 50, 33], [83, 0, 0, 0], [1, 81, 0, 1], [64, 19], [0, 0, 0, 0]],
+        ids=["first-groups-empty", "one-hot-first", "one-row-groups", "tail-of-19", "all-empty"],
+    )
+    def test_group_ends_inside_a_step(self, sizes):
+        """Groups ending inside a BLOCK_R step, an empty first group (a descriptor's extent ends at row 0),
+        one-row groups; fp16 too."""
+        self.check(sum(sizes), 40, 24, sizes, seed=2)
+        self.check(sum(sizes), 40, 24, sizes, dtype=torch.float16, seed=3)
+
+    def test_unaligned_rows_keep_cp_async(self):
+        """b's rows 36 elements apart (72 bytes): no descriptor describes them, the cp.async loop runs."""
+        self.check(50, 40, 36, [20, 30], seed=4)
 
 
 class TestKGroupedTritonTmaStore(KGroupedTest):

@@ -84,7 +84,9 @@ def _k_epilogue(
         # reduction while the copy engine stores (and clips at out[g]'s K and N edges). Never accumulating.
         out_desc.store(
             [g.to(tl.int32), (k_tile * BLOCK_K).to(tl.int32), (n_tile * BLOCK_N).to(tl.int32)],
-            acc.to(out_desc.dtype)[None, :, :],
+            # reshape, not acc[None]: it keeps the wgmma layout (stmatrix into the staging tile), where
+            # [None] converted through 32 KB of shared scratch first (8 warps; seen in the sm_90a TTGIR).
+            tl.reshape(acc.to(out_desc.dtype), [1, BLOCK_K, BLOCK_N]),
         )
     else:
         out_offs = (
@@ -147,6 +149,7 @@ def k_grouped_mm_kernel(
     A_COLSUM: tl.constexpr,  # also write a_colsum[g] = sum(a[rows(g)], 0) (fresh, never accumulated)
     FLAT: tl.constexpr,  # one flat loop over all steps of all tiles (next tile's loads overlap the store)
     TMA_STORE: tl.constexpr,  # store finished tiles through out_desc (bulk async copies), 2-byte out only
+    TMA_LOAD: tl.constexpr,  # FLAT only: load a and b through TMA descriptors made on the device per group
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot is wrong on bf16 operands
     PRECISION: tl.constexpr,
 ):
@@ -197,6 +200,15 @@ def k_grouped_mm_kernel(
         b_base = b_ptr
         k_mask = offs_k < 0
         col_mask = offs_n < 0
+        if TMA_LOAD:
+            # Descriptors over a [rows, K] and b [rows, N] that end at the group's last row: the copy engine
+            # zero-fills the rows past it, so the last step needs no mask (the reduction must not see the
+            # next group's rows). Made on the device when a program's tile changes group (Triton keeps a
+            # ring of them in global scratch for the pipelined loads).
+            desc_g = -1
+            row0 = 0
+            a_desc = tl.make_tensor_descriptor(a_ptr, [1, K], [stride_am, 1], [BLOCK_R, BLOCK_K])
+            b_desc = tl.make_tensor_descriptor(b_ptr, [1, N], [stride_bm, 1], [BLOCK_R, BLOCK_N])
         acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
         for _ in range(0, total):
             step = tl.where(step == num_steps - 1, 0, step + 1)
@@ -209,21 +221,44 @@ def k_grouped_mm_kernel(
                 num_steps = tl.maximum(tl.cdiv(row_end - row_start, BLOCK_R), 1).to(tl.int32)
                 k_mask = offs_k < K - k_tile * BLOCK_K
                 col_mask = offs_n < N - n_tile * BLOCK_N
-                a_base = a_ptr + row_start * stride_am + (k_tile * BLOCK_K).to(tl.int64) * stride_ak
-                b_base = b_ptr + row_start * stride_bm + (n_tile * BLOCK_N).to(tl.int64) * stride_bn
-            rows_done = step.to(tl.int64) * BLOCK_R
-            r_mask = offs_r < row_end - row_start - rows_done
-            acc = _k_step(
-                a_base + rows_done * stride_am + a_offs,
-                b_base + rows_done * stride_bm + b_offs,
-                r_mask,
-                k_mask,
-                col_mask,
-                acc,
-                A_K_CONTIGUOUS,
-                UPCAST,
-                PRECISION,
-            )
+                if TMA_LOAD:
+                    if g != desc_g:
+                        desc_g = g
+                        # A descriptor needs a nonzero extent: an empty group's one step starts at row
+                        # `rows`, past the extent, so it reads only zeros.
+                        rows = tl.maximum(row_end, 1).to(tl.int32)
+                        row0 = tl.where(row_end > row_start, row_start, rows).to(tl.int32)
+                        a_desc = tl.make_tensor_descriptor(
+                            a_ptr, [rows, K], [stride_am, 1], [BLOCK_R, BLOCK_K]
+                        )
+                        b_desc = tl.make_tensor_descriptor(
+                            b_ptr, [rows, N], [stride_bm, 1], [BLOCK_R, BLOCK_N]
+                        )
+                else:
+                    a_base = a_ptr + row_start * stride_am + (k_tile * BLOCK_K).to(tl.int64) * stride_ak
+                    b_base = b_ptr + row_start * stride_bm + (n_tile * BLOCK_N).to(tl.int64) * stride_bn
+            if TMA_LOAD:
+                r = row0 + step * BLOCK_R
+                a = tl.trans(a_desc.load([r, k_tile * BLOCK_K]))
+                b = b_desc.load([r, n_tile * BLOCK_N])
+                if UPCAST:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            else:
+                rows_done = step.to(tl.int64) * BLOCK_R
+                r_mask = offs_r < row_end - row_start - rows_done
+                acc = _k_step(
+                    a_base + rows_done * stride_am + a_offs,
+                    b_base + rows_done * stride_bm + b_offs,
+                    r_mask,
+                    k_mask,
+                    col_mask,
+                    acc,
+                    A_K_CONTIGUOUS,
+                    UPCAST,
+                    PRECISION,
+                )
             if step == num_steps - 1:
                 _k_epilogue(
                     c_ptr,
@@ -328,15 +363,15 @@ def k_grouped_mm_kernel(
             )
 
 
-def tma_store_fits(config, in_itemsize: int, flat: bool) -> bool:
+def tma_store_fits(config, in_itemsize: int) -> bool:
     """Whether the TMA store's bf16 staging tile (BLOCK_K x BLOCK_N) fits next to the operand ring at
     the config's CTAs per SM. The estimate matches what Triton 3.6 allocated for every k_grouped
-    candidate compiled for sm_90a, nested and flat: the ring, the staging tile, and for the flat loop
-    8 KB (4 warps) or 32 KB (8 warps) of scratch it keeps live, with SHARED_MARGIN to spare;
-    tests/test_sm90_compile.py compiles every candidate it admits, both loops."""
+    candidate compiled for sm_90a, nested and flat, cp.async or TMA loads (their mbarriers take a few
+    bytes of SHARED_MARGIN): the ring and the staging tile, nothing else, since the tile reaches it
+    in the wgmma layout (a register store in the flat loop converts through 8-32 KB of scratch
+    instead). tests/test_sm90_compile.py compiles every candidate it admits, both loops."""
     ring = config.num_stages * config.block_r * (config.block_k + config.block_n) * in_itemsize
-    flat_scratch = 512 * config.num_warps**2 if flat else 0
-    return sm90_shared_fits(ring + config.block_k * config.block_n * 2 + flat_scratch, config.ctas_per_sm)
+    return sm90_shared_fits(ring + config.block_k * config.block_n * 2, config.ctas_per_sm)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,6 +399,7 @@ class KGroupedLaunch:
         g_total: int | None = None,
         out_itemsize: int = 4,
         tma_store: bool = False,
+        tma_load: bool = False,
     ) -> KGroupedLaunch:
         """max_stride: the largest row/column stride of a, b and out[g] (default: contiguous, max(K, N)).
         a_k_contiguous: a's K stride is 1 (row-major a, the default for contiguous inputs).
@@ -376,15 +412,19 @@ class KGroupedLaunch:
         on the H100), 64 KB for 128 x 128 (two CTAs no longer fit an SM). 4-byte outputs (fp32
         main_grad) keep the loop per tile.
         tma_store: the launch passes a TensorDescriptor over out (2-byte out, not accumulating).
+        tma_load: a and b may be read through TMA descriptors the kernel makes (row-major a, b with
+        unit column stride, 16-byte aligned bases and row strides, an allocator for Triton's global
+        scratch); used with 2-byte inputs and the flat loop.
         """
         if tma_store and (accumulate or out_itemsize != 2):
             raise ValueError(
                 f"tma_store needs a 2-byte out without accumulation, got {out_itemsize=} {accumulate=}"
             )
         flat = config.flat and out_itemsize <= 2
+        tma_load = tma_load and flat and a_k_contiguous and not fp32_inputs
         # The store's staging tile takes shared memory next to the operand ring; where that would cost
         # the config its CTAs per SM, the tile is stored from registers as before.
-        tma_store = tma_store and tma_store_fits(config, 4 if fp32_inputs else 2, flat)
+        tma_store = tma_store and tma_store_fits(config, 4 if fp32_inputs else 2)
         max_stride = max(K, N) if max_stride is None else max_stride
         k_tiles = triton.cdiv(K, config.block_k)
         tiles = G * k_tiles * (triton.cdiv(N, config.block_n) + (1 if a_colsum else 0))
@@ -406,6 +446,7 @@ class KGroupedLaunch:
             A_COLSUM=a_colsum,
             FLAT=flat,
             TMA_STORE=tma_store,
+            TMA_LOAD=tma_load,
             UPCAST=interpret,
             PRECISION="ieee" if fp32_inputs or interpret else "tf32",
             num_warps=config.num_warps,

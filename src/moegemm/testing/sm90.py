@@ -124,15 +124,16 @@ def _m_grouped(config=None, tma_store: bool = False):
     return m_grouped.m_grouped_mm_kernel, meta, pointers, values
 
 
-def _k_grouped(config=None, tma_store: bool = False, a_colsum: bool = False):
+def _k_grouped(config=None, tma_store: bool = False, a_colsum: bool = False, tma_load: bool = False):
     """The BF16 wgrad: out [G, N, K] = dy[rows]^T @ x[rows], bf16 out (the default config unless given),
     with ``a_colsum`` also GroupedLinear's bias gradient from the same launch."""
     config = config or configs.candidates("k_grouped", "sm90")[0]
     launch = k_grouped.KGroupedLaunch.make(
         M, K, N, G, config=config, num_programs_cap=132, fp32_inputs=False, accumulate=False, interpret=False,
-        out_itemsize=2, tma_store=tma_store, a_colsum=a_colsum,
+        out_itemsize=2, tma_store=tma_store, a_colsum=a_colsum, tma_load=tma_load,
     )  # fmt: skip
     assert launch.meta["TMA_STORE"] == tma_store, config
+    assert launch.meta["TMA_LOAD"] == tma_load, config
     pointers = {
         "a_ptr": "*bf16", "b_ptr": "*bf16", "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32", "c_ptr": "*bf16",
         "a_colsum_ptr": "*bf16", "out_desc": "*bf16", "out_ptr": "*bf16",
@@ -151,19 +152,25 @@ def _k_grouped(config=None, tma_store: bool = False, a_colsum: bool = False):
 # estimates (m_grouped.tma_store_fits, k_grouped.tma_store_fits) must hold for what the compiler allocates.
 _TMA_STORE_CANDIDATES = {
     **{
-        f"m_grouped_tma_store-{i}": (_m_grouped, config)
+        f"m_grouped_tma_store-{i}": (_m_grouped, config, {})
         for i, config in enumerate(configs.candidates("m_grouped", "sm90"))
         if m_grouped.tma_store_fits(config, 2)
     },
-    # Both loops of each k_grouped candidate: the flat loop can be forced onto any config.
+    # Each k_grouped candidate in both loops (the flat loop can be forced onto any config), and flat with
+    # TMA loads (their mbarriers must fit the estimate's margin).
     **{
-        f"k_grouped_tma_store-{i}{'-flat' if flat else ''}": (
+        f"k_grouped_tma_store-{i}{suffix}": (
             _k_grouped,
             dataclasses.replace(config, flat=flat),
+            {"tma_load": tma_load},
         )
         for i, config in enumerate(configs.candidates("k_grouped", "sm90"))
-        for flat in (False, True)
-        if k_grouped.tma_store_fits(config, 2, flat)
+        for suffix, flat, tma_load in (
+            ("", False, False),
+            ("-flat", True, False),
+            ("-flat-tma-load", True, True),
+        )
+        if k_grouped.tma_store_fits(config, 2)
     },
 }
 
@@ -172,7 +179,13 @@ KERNELS = {
     "m_grouped": _m_grouped,
     "k_grouped": _k_grouped,
     "k_grouped_tma_store-colsum": lambda: _k_grouped(tma_store=True, a_colsum=True),
-    **{name: (lambda f=f, c=c: f(c, tma_store=True)) for name, (f, c) in _TMA_STORE_CANDIDATES.items()},
+    "k_grouped-flat-tma-load": lambda: _k_grouped(
+        dataclasses.replace(configs.candidates("k_grouped", "sm90")[0], flat=True), tma_load=True
+    ),
+    **{
+        name: (lambda f=f, c=c, kw=kw: f(c, tma_store=True, **kw))
+        for name, (f, c, kw) in _TMA_STORE_CANDIDATES.items()
+    },
     "m_grouped_ws-k-contiguous": lambda: _m_grouped_ws(True, False),
     "m_grouped_ws-n-contiguous": lambda: _m_grouped_ws(False, False),
     "m_grouped_ws_tma-k-contiguous": lambda: _m_grouped_ws(True, True),

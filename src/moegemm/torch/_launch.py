@@ -17,6 +17,7 @@ import os
 
 import torch
 import triton
+from triton.runtime import _allocation
 from triton.tools.tensor_descriptor import TensorDescriptor as TlTensorDescriptor
 
 from moegemm import configs
@@ -42,6 +43,10 @@ WS = os.environ.get("MOEGEMM_WS", "0") == "1"
 # call time.
 TMA_STORE = os.environ.get("MOEGEMM_TMA_STORE", "1") != "0"
 TMA_STORE_MIN_FLOPS = 5e10
+# The flat k-grouped loop reads a and b through TMA descriptors the kernel makes per group (bf16/fp16,
+# sm90): no address or mask arithmetic per step and no CTA barrier between steps. MOEGEMM_TMA_LOAD=0
+# keeps cp.async. Read at call time.
+TMA_LOAD = os.environ.get("MOEGEMM_TMA_LOAD", "1") != "0"
 
 
 @functools.cache
@@ -129,10 +134,23 @@ def _m_ws_launch(
 
 @functools.lru_cache(maxsize=4096)
 def _k_launch(
-    M, N, K, G, dtype, device, max_stride, a_k_contiguous, accumulate, a_colsum, out_itemsize, tma_store
+    M,
+    N,
+    K,
+    G,
+    dtype,
+    device,
+    max_stride,
+    a_k_contiguous,
+    accumulate,
+    a_colsum,
+    out_itemsize,
+    tma_store,
+    tma_load,
 ) -> KGroupedLaunch:
     """tma_store: out can take a TMA descriptor; the launch uses one where the device has TMA (sm90, or
-    the interpreter, which runs the same path) and the config's shared memory leaves room."""
+    the interpreter, which runs the same path) and the config's shared memory leaves room.
+    tma_load: a and b can be described to TMA (KGroupedLaunch.make says when the kernel does)."""
     target, device_name, programs = _target(device)
     config = _pick_config("k_grouped", target, device_name, programs, dtype, G=G, N=N, K=K, M=M)
     return KGroupedLaunch.make(
@@ -150,7 +168,22 @@ def _k_launch(
         a_colsum=a_colsum,
         out_itemsize=out_itemsize,
         tma_store=tma_store and target in ("sm90", "interpret"),
+        tma_load=tma_load and target in ("sm90", "interpret"),
     )
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Triton's global scratch for a launch (tensor maps a kernel makes on the device): from the
+    caching allocator on the current device, O(programs) bytes, released when the launch returns
+    (stream-ordered, so graph capture and later kernels on the stream are safe)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """Installs _scratch as Triton's allocator where this thread's context has none (a caller's own
+    allocator stays). Per thread: autograd runs the backward on threads of its own."""
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
 
 
 class DirectLaunch:
@@ -389,6 +422,17 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) ->
         and so[1] % 8 == 0
         and out.data_ptr() % 16 == 0
     )
+    # Descriptors over a [rows, K] and b [rows, N]: unit column strides, 16-byte row strides and bases.
+    tma_load = (
+        TMA_LOAD
+        and a.element_size() == 2
+        and sa[1] == 1
+        and sb[1] == 1
+        and sa[0] % 8 == 0
+        and sb[0] % 8 == 0
+        and a.data_ptr() % 16 == 0
+        and b.data_ptr() % 16 == 0
+    )
     spec = (
         M,
         N,
@@ -402,8 +446,11 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) ->
         a_colsum is not None,
         out.element_size(),
         tma_store,
+        tma_load,
     )
     colsum = out if a_colsum is None else a_colsum
+    if tma_load and _k_launch(*spec).meta["TMA_LOAD"]:
+        _ensure_allocator()
     if tma_store:
         launch = _k_launch(*spec)
         if launch.meta["TMA_STORE"]:

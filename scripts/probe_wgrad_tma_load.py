@@ -1,0 +1,97 @@
+"""GPU probe (H100): the k-grouped (wgrad) kernel's flat loop with TMA loads (MOEGEMM_TMA_LOAD) against
+the launcher's pick and the flat loop with cp.async, per config, next to torch._grouped_mm.
+
+    OUT=/tmp/probe python scripts/probe_wgrad_tma_load.py [--cases suite,heldout] [--variants pick,0f,0ft]
+    [--split dirichlet]
+
+A variant is "pick" (the launcher's own config), or a config index of ``configs.candidates("k_grouped",
+"sm90")`` with "f" (forced flat loop) and/or "t" (TMA loads on; without it cp.async). "pick" runs with TMA
+loads off and "pickt" with them on. Timing: triton.testing.do_bench medians (CUDA events, L2 cleared before
+each run); every variant's bf16 dW is checked against torch's first (NaN-poisoned output). Appends JSON lines
+to $OUT/wgrad_tma_load.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import sys
+
+import torch
+import triton.testing
+
+from moegemm import configs, shapes
+from moegemm.torch import _launch
+
+LOG = os.path.join(os.environ.get("OUT", "."), "wgrad_tma_load.jsonl")
+PICK = configs.pick_config
+
+
+def record(**kw) -> None:
+    kw = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in kw.items()}
+    print(json.dumps(kw), flush=True)
+    with open(LOG, "a") as f:
+        f.write(json.dumps(kw) + "\n")
+
+
+def force(variant: str) -> None:
+    """Sets the launcher's config choice and TMA_LOAD for one variant (see the module docstring)."""
+    _launch.TMA_LOAD = variant.endswith("t")
+    spec = variant.removesuffix("t")
+    if spec == "pick":
+        configs.pick_config = PICK
+    else:
+        flat = spec.endswith("f")
+        config = dataclasses.replace(
+            configs.candidates("k_grouped", "sm90")[int(spec.removesuffix("f"))], flat=flat
+        )
+        configs.pick_config = lambda o, *a, **k: config if o == "k_grouped" else PICK(o, *a, **k)
+    _launch.clear_launch_cache()
+
+
+def relerr(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--cases", default="suite,heldout")
+    p.add_argument("--variants", default="pick,pickt,0f,0ft")
+    p.add_argument("--split", default="dirichlet")
+    args = p.parse_args()
+    for case in shapes.select(args.cases.split(",")):
+        sizes = shapes.group_sizes(case.M, case.G, split=args.split)
+        gs = torch.tensor(sizes, dtype=torch.int32, device="cuda")
+        offs = gs.cumsum(0).to(torch.int32)
+        x = torch.randn(case.M, case.K, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(case.M, case.N, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(case.G, case.N, case.K, device="cuda", dtype=torch.bfloat16)
+        peer = functools.partial(torch._grouped_mm, dy.T, x, offs=offs, out_dtype=torch.bfloat16)
+        ours = functools.partial(_launch.launch_k_grouped, dy, x, gs, out, False)
+        want = peer()
+        row = dict(case=case.name, op="wgrad", G=case.G, M=case.M, K=case.K, N=case.N, split=args.split)
+        row["torch_ms"] = triton.testing.do_bench(peer, warmup=10, rep=60, return_mode="median")
+        for variant in args.variants.split(","):
+            force(variant)
+            try:
+                out.fill_(float("nan"))
+                ours()
+                err = relerr(out, want)
+                ms = triton.testing.do_bench(ours, warmup=10, rep=60, return_mode="median")
+                row[f"{variant}_ms"] = ms
+                row[f"{variant}_vs_torch"] = row["torch_ms"] / ms
+                row[f"{variant}_relerr"] = err
+                if not err < 1e-2:
+                    row[f"{variant}_error"] = "relerr above 1e-2"
+            except Exception as e:  # a config that does not compile for this shape
+                row[f"{variant}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        record(**row)
+    force("pick")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
