@@ -271,14 +271,20 @@ class TestKGroupedTritonFlatTmaLoad(KGroupedTest):
         before = len(self.specs)
         out = super().check(M, K, N, sizes, dtype, out_dtype, transposed, seed)
         want = (
-            dtype.itemsize == 2 and out.dtype.itemsize == 2 and not transposed and K % 8 == 0 and N % 8 == 0
+            M > 0
+            and dtype.itemsize == 2
+            and out.dtype.itemsize == 2
+            and not transposed
+            and K % 8 == 0
+            and N % 8 == 0
         )
         for spec in self.specs[before:]:
             assert _launch._k_launch(*spec).meta["TMA_LOAD"] == want, (M, K, N, dtype, out.dtype, transposed)
         return out
 
     def test_edge_cases_take_tma_loads(self):
-        """Most named edge cases have K and N multiples of 8, so the class runs them through TMA loads."""
+        """Most named edge cases have K and N multiples of 8, so the class runs them through TMA loads
+        (not M = 0: an empty a's base is null, and the launcher keeps cp.async, which a GPU run found)."""
         taken = [c.name for c in shapes.EDGE if c.K % 8 == 0 and c.N % 8 == 0]
         assert {"hot-last-expert", "dirichlet-skew-with-empty", "all-empty", "zero-rows"} <= set(taken)
 
@@ -292,6 +298,21 @@ class TestKGroupedTritonFlatTmaLoad(KGroupedTest):
         one-row groups; fp16 too."""
         self.check(sum(sizes), 40, 24, sizes, seed=2)
         self.check(sum(sizes), 40, 24, sizes, dtype=torch.float16, seed=3)
+
+    @pytest.mark.parametrize("chunk", [2, 3, 5])
+    @pytest.mark.parametrize("name", ["dirichlet-skew-with-empty", "many-small-groups", "hot-last-expert"])
+    def test_runs_of_tiles(self, monkeypatch, chunk, name):
+        """Programs taking runs of CHUNK consecutive tiles (k_grouped.tile_chunk, for short groups) still
+        cover every tile exactly once: partial runs at group ends and at the end of the tile space."""
+        from moegemm.kernels import k_grouped
+        from moegemm.torch import _launch
+
+        monkeypatch.setattr(k_grouped, "tile_chunk", lambda *a: chunk)
+        _launch.clear_launch_cache()
+        case = next(c for c in shapes.EDGE if c.name == name)
+        before = len(self.specs)
+        self.check(case.M, case.K, case.N, list(case.sizes), seed=chunk)
+        assert [_launch._k_launch(*s).meta["CHUNK"] for s in self.specs[before:]] == [chunk]
 
     def test_unaligned_rows_keep_cp_async(self):
         """b's rows 36 elements apart (72 bytes): no descriptor describes them, the cp.async loop runs."""
@@ -398,3 +419,18 @@ class TestKGroupedTritonRegisterStore(KGroupedTest):
 
 class TestKGroupedReference(KGroupedTest):
     BACKEND = "reference"
+
+
+@pytest.mark.parametrize(
+    "M,G,tiles_per_group,programs,want",
+    [
+        (32768, 32, 896, 132, 1),  # dsv3 wgrad: 16 steps a tile, ~7 tiles of a group per program
+        (16384, 32, 276, 132, 4),  # gptoss-20b: 8 steps, 2 tiles a group per program: runs of 4
+        (16384, 128, 96, 132, 16),  # qwen3-30b: 2 steps a tile
+        (8192, 8, 64, 132, 1),  # finegrain: too few tiles for runs (every program keeps >= 4)
+    ],
+)
+def test_tile_chunk(M, G, tiles_per_group, programs, want):
+    from moegemm.kernels import k_grouped
+
+    assert k_grouped.tile_chunk(M, G, tiles_per_group, programs, 64) == want

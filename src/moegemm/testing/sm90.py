@@ -124,7 +124,13 @@ def _m_grouped(config=None, tma_store: bool = False):
     return m_grouped.m_grouped_mm_kernel, meta, pointers, values
 
 
-def _k_grouped(config=None, tma_store: bool = False, a_colsum: bool = False, tma_load: bool = False):
+def _k_grouped(
+    config=None,
+    tma_store: bool = False,
+    a_colsum: bool = False,
+    tma_load: bool = False,
+    chunk: int | None = None,
+):
     """The BF16 wgrad: out [G, N, K] = dy[rows]^T @ x[rows], bf16 out (the default config unless given),
     with ``a_colsum`` also GroupedLinear's bias gradient from the same launch."""
     config = config or configs.candidates("k_grouped", "sm90")[0]
@@ -144,7 +150,7 @@ def _k_grouped(config=None, tma_store: bool = False, a_colsum: bool = False, tma
         M=M, N=K, K=N, G=G, G_TOTAL=G, stride_am=N, stride_ak=1, stride_bm=K, stride_bn=1, stride_og=N * K,
         stride_ok=K, stride_on=1, stride_sg=0, stride_sk=0,
     )  # fmt: skip
-    meta = {**launch.meta, "ctas_per_sm": config.ctas_per_sm}
+    meta = {**launch.meta, "ctas_per_sm": config.ctas_per_sm, **({} if chunk is None else {"CHUNK": chunk})}
     return k_grouped.k_grouped_mm_kernel, meta, pointers, values
 
 
@@ -181,6 +187,13 @@ KERNELS = {
     "k_grouped_tma_store-colsum": lambda: _k_grouped(tma_store=True, a_colsum=True),
     "k_grouped-flat-tma-load": lambda: _k_grouped(
         dataclasses.replace(configs.candidates("k_grouped", "sm90")[0], flat=True), tma_load=True
+    ),
+    # Runs of tiles (k_grouped.tile_chunk: short groups) with the TMA store, the default's shape.
+    "k_grouped_tma_store-flat-tma-load-chunk4": lambda: _k_grouped(
+        dataclasses.replace(configs.candidates("k_grouped", "sm90")[0], flat=True),
+        tma_store=True,
+        tma_load=True,
+        chunk=4,
     ),
     **{
         name: (lambda f=f, c=c, kw=kw: f(c, tma_store=True, **kw))

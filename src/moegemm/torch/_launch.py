@@ -422,9 +422,11 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) ->
         and so[1] % 8 == 0
         and out.data_ptr() % 16 == 0
     )
-    # Descriptors over a [rows, K] and b [rows, N]: unit column strides, 16-byte row strides and bases.
+    # Descriptors over a [rows, K] and b [rows, N]: unit column strides, 16-byte row strides and bases
+    # (M > 0: an empty a's base is null, and a descriptor over it faults even with every row past it).
     tma_load = (
         TMA_LOAD
+        and M > 0
         and a.element_size() == 2
         and sa[1] == 1
         and sb[1] == 1
