@@ -5,9 +5,8 @@ the launcher's pick and the flat loop with cp.async, per config, next to torch._
     [--split dirichlet]
 
 A variant is "pick" (the launcher's own config), or a config index of ``configs.candidates("k_grouped",
-"sm90")`` with "f" (forced flat loop) and/or "t" (TMA loads on; without it cp.async). "pick" runs with TMA
-loads off and "pickt" with them on. A trailing "1" keeps TMA-load programs on single-tile round-robin
-(k_grouped.TMA_LOAD_RUN_STEPS = 0, CHUNK 1). Timing: triton.testing.do_bench medians (CUDA events, L2 cleared before
+"sm90")`` with "f" (forced flat loop) and/or "t" (config.tma_load; without it cp.async). "pick" is the
+launcher's choice with TMA loads off (MOEGEMM_TMA_LOAD=0), "pickt" with them allowed. Timing: triton.testing.do_bench medians (CUDA events, L2 cleared before
 each run); every variant's bf16 dW is checked against torch's first (NaN-poisoned output). Appends JSON lines
 to $OUT/wgrad_tma_load.jsonl.
 """
@@ -25,12 +24,10 @@ import torch
 import triton.testing
 
 from moegemm import configs, shapes
-from moegemm.kernels import k_grouped
 from moegemm.torch import _launch
 
 LOG = os.path.join(os.environ.get("OUT", "."), "wgrad_tma_load.jsonl")
 PICK = configs.pick_config
-RUN_STEPS = k_grouped.TMA_LOAD_RUN_STEPS
 
 
 def record(**kw) -> None:
@@ -41,18 +38,15 @@ def record(**kw) -> None:
 
 
 def force(variant: str) -> None:
-    """Sets the launcher's config choice and TMA_LOAD for one variant (see the module docstring)."""
-    k_grouped.TMA_LOAD_RUN_STEPS = 0 if variant.endswith("1") else RUN_STEPS
-    variant = variant.removesuffix("1")
-    _launch.TMA_LOAD = variant.endswith("t")
+    """Sets the launcher's config choice and TMA loads for one variant (see the module docstring)."""
+    tma = variant.endswith("t")
+    _launch.TMA_LOAD = tma
     spec = variant.removesuffix("t")
     if spec == "pick":
         configs.pick_config = PICK
     else:
-        flat = spec.endswith("f")
-        config = dataclasses.replace(
-            configs.candidates("k_grouped", "sm90")[int(spec.removesuffix("f"))], flat=flat
-        )
+        config = configs.candidates("k_grouped", "sm90")[int(spec.removesuffix("f"))]
+        config = dataclasses.replace(config, flat=spec.endswith("f") or config.flat, tma_load=tma)
         configs.pick_config = lambda o, *a, **k: config if o == "k_grouped" else PICK(o, *a, **k)
     _launch.clear_launch_cache()
 
@@ -79,11 +73,8 @@ def main() -> int:
         want = peer()
         row = dict(case=case.name, op="wgrad", G=case.G, M=case.M, K=case.K, N=case.N, split=args.split)
         row["torch_ms"] = triton.testing.do_bench(peer, warmup=10, rep=60, return_mode="median")
-        c0 = configs.candidates("k_grouped", "sm90")[0]
-        tiles_per_group = triton.cdiv(case.N, c0.block_k) * triton.cdiv(case.K, c0.block_n)
-        row["chunk_0"] = k_grouped.tile_chunk(
-            case.M, case.G, tiles_per_group, min(case.G * tiles_per_group, 132), c0.block_r
-        )
+        row["pick"] = str(PICK("k_grouped", "sm90", device_name=torch.cuda.get_device_name(), dtype="bfloat16",
+                               G=case.G, N=case.K, K=case.N, M=case.M, sms=132))  # fmt: skip
         for variant in args.variants.split(","):
             force(variant)
             try:

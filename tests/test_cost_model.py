@@ -79,18 +79,20 @@ def test_model_prediction_is_monotone_in_work():
 
 def test_committed_model_picks_near_the_best_on_its_tune_records():
     """The model against the measured candidates it was fitted to (the 24 suite and 33 held-out
-    launches): within 5% of the fastest on >= 52 of 57 (at fit time: 52, geomean 0.990 of best; the
-    table default: 46, 0.980), and better than the default in aggregate."""
+    launches, and the wgrad probe's 2 x 19 of 2026-11-25, 81 launches in all): within 5% of the fastest
+    on >= 72 of 81 (at fit time: 72, geomean 0.985 of best; the table default: 62, 0.972), and better
+    than the default in aggregate."""
     rows = fit_model.evaluate(cost_model.load("sm90"), fit_model.samples(fit_model.load_records(SOURCES)))
     summary = fit_model.summarize(rows)
-    assert summary["launches"] == 57
-    assert summary["model_within_5pct"] >= 52
+    assert summary["launches"] == 81
+    assert summary["model_within_5pct"] >= 72
     assert summary["model_vs_best_geomean"] > summary["default_vs_best_geomean"]
 
 
 def test_fit_recovers_the_k_grouped_ranking():
     """Refit the k-grouped half from its tune records (a few seconds): the same picks as the committed
-    model's on all 19 wgrad launches, so the committed file is what --fit-model makes of its sources."""
+    model's on all 43 wgrad launches (19 tuned, 24 probe sessions), so the committed file is what
+    --fit-model makes of its sources."""
     data = [s for s in fit_model.samples(fit_model.load_records(SOURCES)) if s.op == "k_grouped"]
     model = fit_model.fit(data, sms=132)
     residual = [
@@ -100,7 +102,7 @@ def test_fit_recovers_the_k_grouped_ranking():
     assert math.sqrt(sum(r * r for r in residual) / len(residual)) < 0.2
     refit = {r["launch"]: r["model_config"] for r in fit_model.evaluate(model, data)}
     committed = {r["launch"]: r["model_config"] for r in fit_model.evaluate(cost_model.load("sm90"), data)}
-    assert len(refit) == 19 and refit == committed
+    assert len(refit) == 43 and refit == committed
 
 
 def test_pick_config_cache_then_model_then_default(monkeypatch):
@@ -137,10 +139,11 @@ def test_model_changes_picks_where_the_default_was_slow():
         case = shapes.get(name)
         pick = configs._model_pick("k_grouped", "sm90", G=case.G, M=case.M, N=case.K, K=case.N, sms=132)
         assert pick.flat and pick.ctas_per_sm == 2 and pick.block_n == 128, (name, pick)
-    # Long reductions (1024 rows per expert) keep the loop nest and the wide tile.
+    # Long reductions (1024 rows per expert) take the wide tile in the flat loop with TMA loads, which
+    # the wgrad probe measured 1-5% ahead of the loop nest there (perf-notes 25).
     case = shapes.get("dsv3-ep8-fc1")
     pick = configs._model_pick("k_grouped", "sm90", G=case.G, M=case.M, N=case.K, K=case.N, sms=132)
-    assert pick == configs.candidates("k_grouped", "sm90")[0]
+    assert pick.block_n == 256 and pick.flat and pick.tma_load, pick
 
 
 def test_heldout_set_is_disjoint_from_the_suite():

@@ -202,8 +202,9 @@ class TestKGroupedTriton(KGroupedTest):
     pytestmark = pytest.mark.gpu
 
 
-def flat_configs(monkeypatch):
-    """Every k_grouped launch takes the flat loop (whichever config the target's table or model picks)."""
+def flat_configs(monkeypatch, tma_load: bool = False):
+    """Every k_grouped launch takes the flat loop (whichever config the target's table or model picks),
+    with config.tma_load as given."""
     from moegemm import configs
     from moegemm.torch import _launch
 
@@ -211,7 +212,7 @@ def flat_configs(monkeypatch):
 
     def pick(op, target, **kw):
         config = inner(op, target, **kw)
-        return dataclasses.replace(config, flat=True) if op == "k_grouped" else config
+        return dataclasses.replace(config, flat=True, tma_load=tma_load) if op == "k_grouped" else config
 
     monkeypatch.setattr(configs, "pick_config", pick)
     _launch.clear_launch_cache()
@@ -257,7 +258,7 @@ class TestKGroupedTritonFlatTmaLoad(KGroupedTest):
         from moegemm.torch import _launch
 
         monkeypatch.setattr(_launch, "TMA_LOAD", True)
-        flat_configs(monkeypatch)
+        flat_configs(monkeypatch, tma_load=True)
         self.specs = []
         for direct in (_launch.K_GROUPED, _launch.K_GROUPED_TMA):
             record = lambda *a, inner=direct.launch: (self.specs.append(a[0]), inner(*a))  # noqa: E731
@@ -298,21 +299,6 @@ class TestKGroupedTritonFlatTmaLoad(KGroupedTest):
         one-row groups; fp16 too."""
         self.check(sum(sizes), 40, 24, sizes, seed=2)
         self.check(sum(sizes), 40, 24, sizes, dtype=torch.float16, seed=3)
-
-    @pytest.mark.parametrize("chunk", [2, 3, 5])
-    @pytest.mark.parametrize("name", ["dirichlet-skew-with-empty", "many-small-groups", "hot-last-expert"])
-    def test_runs_of_tiles(self, monkeypatch, chunk, name):
-        """Programs taking runs of CHUNK consecutive tiles (k_grouped.tile_chunk, for short groups) still
-        cover every tile exactly once: partial runs at group ends and at the end of the tile space."""
-        from moegemm.kernels import k_grouped
-        from moegemm.torch import _launch
-
-        monkeypatch.setattr(k_grouped, "tile_chunk", lambda *a: chunk)
-        _launch.clear_launch_cache()
-        case = next(c for c in shapes.EDGE if c.name == name)
-        before = len(self.specs)
-        self.check(case.M, case.K, case.N, list(case.sizes), seed=chunk)
-        assert [_launch._k_launch(*s).meta["CHUNK"] for s in self.specs[before:]] == [chunk]
 
     def test_unaligned_rows_keep_cp_async(self):
         """b's rows 36 elements apart (72 bytes): no descriptor describes them, the cp.async loop runs."""
@@ -419,18 +405,3 @@ class TestKGroupedTritonRegisterStore(KGroupedTest):
 
 class TestKGroupedReference(KGroupedTest):
     BACKEND = "reference"
-
-
-@pytest.mark.parametrize(
-    "M,G,tiles_per_group,programs,want",
-    [
-        (32768, 32, 896, 132, 1),  # dsv3 wgrad: 16 steps a tile, ~7 tiles of a group per program
-        (16384, 32, 276, 132, 4),  # gptoss-20b: 8 steps, 2 tiles a group per program: runs of 4
-        (16384, 128, 96, 132, 16),  # qwen3-30b: 2 steps a tile
-        (8192, 8, 64, 132, 1),  # finegrain: too few tiles for runs (every program keeps >= 4)
-    ],
-)
-def test_tile_chunk(M, G, tiles_per_group, programs, want):
-    from moegemm.kernels import k_grouped
-
-    assert k_grouped.tile_chunk(M, G, tiles_per_group, programs, 64) == want

@@ -42,6 +42,10 @@ class KGroupedConfig:
     # costs per-step overhead on long ones (k_grouped_mm_kernel's FLAT; docs/perf-notes.md, 17).
     # Used for 2-byte outputs only (KGroupedLaunch.make: out_itemsize).
     flat: bool = False
+    # With flat: read a and b through TMA descriptors the kernel makes per group (PyTorch on sm90, 2-byte
+    # row-major operands with 16-byte aligned rows; other launches load through cp.async). Fewer
+    # instructions per step, a descriptor pair per change of group (docs/perf-notes.md, 25).
+    tma_load: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +135,11 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
         (K(128, 64, 64, 8, 4, 3, 3), "narrow N tile, 3 CTAs/SM"),
         (K(128, 128, 64, 8, 4, 3, 2, flat=True), "flat loop, 2 CTAs/SM: ~128-512 rows per expert"),
         (K(128, 128, 32, 8, 4, 4, 2, flat=True), "flat loop, short steps: ~128 rows per expert"),
+        (
+            K(128, 256, 64, 8, 8, 3, flat=True),
+            "flat 128 x 256: fits its TMA-store staging tile since the store keeps the wgmma layout",
+        ),
+        (K(128, 256, 64, 8, 8, 3, flat=True, tma_load=True), "as above, TMA loads: long groups"),
     ],
     # FP8: BLOCK_K 128 is one DeepSeek-V3 scale block (blockwise promotes once per step); 1-byte
     # operands fit a 128 x 256 x 128 tile in 3 stages (144 KB of shared memory).

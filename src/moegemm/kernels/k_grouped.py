@@ -57,13 +57,6 @@ def _k_step(
 
 
 @triton.jit
-def _owned_before(x, pid, NUM_PROGRAMS: tl.constexpr, CHUNK: tl.constexpr):
-    """How many tiles t < x program pid owns when chunks of CHUNK tiles go round-robin (x >= 0)."""
-    cycle = NUM_PROGRAMS * CHUNK
-    return (x // cycle) * CHUNK + tl.minimum(tl.maximum(x % cycle - pid * CHUNK, 0), CHUNK)
-
-
-@triton.jit
 def _k_epilogue(
     c_ptr,
     out_ptr,
@@ -155,7 +148,6 @@ def k_grouped_mm_kernel(
     ACCUMULATE: tl.constexpr,  # out = c + a^T b instead of a^T b
     A_COLSUM: tl.constexpr,  # also write a_colsum[g] = sum(a[rows(g)], 0) (fresh, never accumulated)
     FLAT: tl.constexpr,  # one flat loop over all steps of all tiles (next tile's loads overlap the store)
-    CHUNK: tl.constexpr,  # FLAT: a program's tiles come in runs of CHUNK consecutive ones (1: round-robin)
     TMA_STORE: tl.constexpr,  # store finished tiles through out_desc (bulk async copies), 2-byte out only
     TMA_LOAD: tl.constexpr,  # FLAT only: load a and b through TMA descriptors made on the device per group
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot is wrong on bf16 operands
@@ -190,15 +182,15 @@ def k_grouped_mm_kernel(
         # tile (Triton's own nest flattening, tl.range(flatten=True), needs inner-loop bounds that do
         # not depend on the tile, and ours are the group's rows). A tile of group g takes
         # max(1, cdiv(rows_g, BLOCK_R)) steps: an empty group's tile still stores its zeros, from one
-        # all-masked step. Programs own chunks of CHUNK consecutive tiles round-robin (tile t belongs to
-        # program (t // CHUNK) % NUM_PROGRAMS); `mine` counts a program's tiles per group.
+        # all-masked step. Programs own tiles pid, pid + NUM_PROGRAMS, ...; `mine` counts them per group.
+        # (Runs of consecutive tiles per program, which make a TMA-load program's descriptors less
+        # often, ran slower on the H100: up to 0.62x on 128-expert wgrad; perf-notes 25.)
         first_tile = offs * tiles_per_group
-        mine = _owned_before(first_tile + tiles_per_group, pid, NUM_PROGRAMS, CHUNK)
-        mine -= _owned_before(first_tile, pid, NUM_PROGRAMS, CHUNK)
+        mine = tl.maximum(first_tile + tiles_per_group - pid + NUM_PROGRAMS - 1, 0) // NUM_PROGRAMS
+        mine -= tl.maximum(first_tile - pid + NUM_PROGRAMS - 1, 0) // NUM_PROGRAMS
         steps_of = tl.maximum(tl.cdiv(ends - starts, BLOCK_R), 1)
         total = tl.sum(tl.where(offs < G, mine * steps_of, 0), 0)
-        # One tile before the program's first: the first advance below lands on tile pid * CHUNK.
-        tile = (pid + 1 - NUM_PROGRAMS) * CHUNK - 1
+        tile = pid - NUM_PROGRAMS
         step = -1
         num_steps = 0
         g = 0
@@ -223,9 +215,7 @@ def k_grouped_mm_kernel(
         for _ in range(0, total):
             step = tl.where(step == num_steps - 1, 0, step + 1)
             if step == 0:
-                tile += 1
-                if tile % CHUNK == 0:  # the next chunk of this program (C remainder: 0 for tile <= 0 too)
-                    tile += (NUM_PROGRAMS - 1) * CHUNK
+                tile += NUM_PROGRAMS
                 g = tile // tiles_per_group
                 k_tile, n_tile = swizzle_tile(tile % tiles_per_group, k_tiles, n_tiles, GROUP_M)
                 row_start = pick(starts, offs, g)
@@ -375,23 +365,6 @@ def k_grouped_mm_kernel(
             )
 
 
-# With TMA loads the flat loop makes two descriptors each time a program's tile changes group (~1 us,
-# not overlapped); below about this many reduction steps between changes that cost more than the TMA
-# loads saved (H100 probe, perf-notes 25), so programs then take runs of consecutive tiles (CHUNK).
-TMA_LOAD_RUN_STEPS = 32
-
-
-def tile_chunk(M: int, G: int, tiles_per_group: int, num_programs: int, block_r: int) -> int:
-    """CHUNK for the flat loop with TMA loads: runs of consecutive tiles long enough that a program makes
-    its group's descriptors once per ~TMA_LOAD_RUN_STEPS steps (mean rows per group; sizes are on the
-    device), capped so that every program still gets >= 4 runs (the last round stays balanced)."""
-    steps = max(1, -(-M // max(G, 1)) // block_r)
-    per_group = max(1, tiles_per_group // num_programs)  # a program's tiles of one group at CHUNK 1
-    if steps * per_group >= TMA_LOAD_RUN_STEPS:
-        return 1
-    return max(1, min(-(-TMA_LOAD_RUN_STEPS // steps), G * tiles_per_group // (4 * num_programs)))
-
-
 def tma_store_fits(config, in_itemsize: int) -> bool:
     """Whether the TMA store's bf16 staging tile (BLOCK_K x BLOCK_N) fits next to the operand ring at
     the config's CTAs per SM. The estimate matches what Triton 3.6 allocated for every k_grouped
@@ -443,14 +416,15 @@ class KGroupedLaunch:
         tma_store: the launch passes a TensorDescriptor over out (2-byte out, not accumulating).
         tma_load: a and b may be read through TMA descriptors the kernel makes (row-major a, b with
         unit column stride, 16-byte aligned bases and row strides, an allocator for Triton's global
-        scratch); used with 2-byte inputs and the flat loop.
+        scratch); used where the config asks for them (config.tma_load), with 2-byte inputs and the
+        flat loop.
         """
         if tma_store and (accumulate or out_itemsize != 2):
             raise ValueError(
                 f"tma_store needs a 2-byte out without accumulation, got {out_itemsize=} {accumulate=}"
             )
         flat = config.flat and out_itemsize <= 2
-        tma_load = tma_load and flat and a_k_contiguous and not fp32_inputs
+        tma_load = tma_load and config.tma_load and flat and a_k_contiguous and not fp32_inputs
         # The store's staging tile takes shared memory next to the operand ring; where that would cost
         # the config its CTAs per SM, the tile is stored from registers as before.
         tma_store = tma_store and tma_store_fits(config, 4 if fp32_inputs else 2)
@@ -474,9 +448,6 @@ class KGroupedLaunch:
             ACCUMULATE=accumulate,
             A_COLSUM=a_colsum,
             FLAT=flat,
-            CHUNK=tile_chunk(M, G, k_tiles * triton.cdiv(N, config.block_n), num_programs, config.block_r)
-            if tma_load
-            else 1,
             TMA_STORE=tma_store,
             TMA_LOAD=tma_load,
             UPCAST=interpret,

@@ -129,7 +129,6 @@ def _k_grouped(
     tma_store: bool = False,
     a_colsum: bool = False,
     tma_load: bool = False,
-    chunk: int | None = None,
 ):
     """The BF16 wgrad: out [G, N, K] = dy[rows]^T @ x[rows], bf16 out (the default config unless given),
     with ``a_colsum`` also GroupedLinear's bias gradient from the same launch."""
@@ -150,7 +149,7 @@ def _k_grouped(
         M=M, N=K, K=N, G=G, G_TOTAL=G, stride_am=N, stride_ak=1, stride_bm=K, stride_bn=1, stride_og=N * K,
         stride_ok=K, stride_on=1, stride_sg=0, stride_sk=0,
     )  # fmt: skip
-    meta = {**launch.meta, "ctas_per_sm": config.ctas_per_sm, **({} if chunk is None else {"CHUNK": chunk})}
+    meta = {**launch.meta, "ctas_per_sm": config.ctas_per_sm}
     return k_grouped.k_grouped_mm_kernel, meta, pointers, values
 
 
@@ -167,7 +166,7 @@ _TMA_STORE_CANDIDATES = {
     **{
         f"k_grouped_tma_store-{i}{suffix}": (
             _k_grouped,
-            dataclasses.replace(config, flat=flat),
+            dataclasses.replace(config, flat=flat, tma_load=tma_load),
             {"tma_load": tma_load},
         )
         for i, config in enumerate(configs.candidates("k_grouped", "sm90"))
@@ -186,14 +185,8 @@ KERNELS = {
     "k_grouped": _k_grouped,
     "k_grouped_tma_store-colsum": lambda: _k_grouped(tma_store=True, a_colsum=True),
     "k_grouped-flat-tma-load": lambda: _k_grouped(
-        dataclasses.replace(configs.candidates("k_grouped", "sm90")[0], flat=True), tma_load=True
-    ),
-    # Runs of tiles (k_grouped.tile_chunk: short groups) with the TMA store, the default's shape.
-    "k_grouped_tma_store-flat-tma-load-chunk4": lambda: _k_grouped(
-        dataclasses.replace(configs.candidates("k_grouped", "sm90")[0], flat=True),
-        tma_store=True,
+        dataclasses.replace(configs.candidates("k_grouped", "sm90")[0], flat=True, tma_load=True),
         tma_load=True,
-        chunk=4,
     ),
     **{
         name: (lambda f=f, c=c, kw=kw: f(c, tma_store=True, **kw))
