@@ -3,6 +3,7 @@ the launcher's pick and the flat loop with cp.async, per config, next to torch._
 
     OUT=/tmp/probe python scripts/probe_wgrad_tma_load.py [--cases suite,heldout] [--variants pick,0f,0ft]
     [--split dirichlet]
+    OUT=/tmp/probe python scripts/probe_wgrad_tma_load.py --host   # host cost per call, TMA loads vs cp.async
 
 A variant is "pick" (the launcher's own config), or a config index of ``configs.candidates("k_grouped",
 "sm90")`` with "f" (forced flat loop) and/or "t" (config.tma_load; without it cp.async). "pick" is the
@@ -55,12 +56,43 @@ def relerr(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+def host(rounds: int = 7, calls: int = 200) -> None:
+    """Host time per wgrad call (G 8, M 4096, K = N = 512, bf16, the flat 128 x 256 config) with TMA loads
+    and with cp.async, taking turns over rounds: median of the round medians."""
+    from moegemm.bench.overhead import median_host_us
+
+    G, M, K, N = 8, 4096, 512, 512
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    gs = torch.full((G,), M // G, dtype=torch.int32, device="cuda")
+    out = torch.empty(G, N, K, device="cuda", dtype=torch.bfloat16)
+    samples = {"11ft": [], "11f": []}
+    for variant in samples:  # compile and bind both first
+        force(variant)
+        _launch.launch_k_grouped(dy, x, gs, out, False)
+    torch.cuda.synchronize()
+    for _ in range(rounds):
+        for variant, values in samples.items():
+            force(variant)
+            _launch.launch_k_grouped(dy, x, gs, out, False)
+            values.append(median_host_us(lambda: _launch.launch_k_grouped(dy, x, gs, out, False), calls))
+            torch.cuda.synchronize()
+    for variant, values in samples.items():
+        values.sort()
+        record(kind="host", variant=variant, host_us=values[len(values) // 2], rounds=values)
+    force("pick")
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
+    p.add_argument("--host", action="store_true")
     p.add_argument("--cases", default="suite,heldout")
     p.add_argument("--variants", default="pick,pickt,0f,0ft")
     p.add_argument("--split", default="dirichlet")
     args = p.parse_args()
+    if args.host:
+        host()
+        return 0
     for case in shapes.select(args.cases.split(",")):
         sizes = shapes.group_sizes(case.M, case.G, split=args.split)
         gs = torch.tensor(sizes, dtype=torch.int32, device="cuda")

@@ -164,3 +164,29 @@ def test_cli_eval_model_writes_the_scores(tmp_path, capsys):
     assert result["summary"]["launches"] == 33 and len(result["rows"]) == 33
     assert {r["launch"].split("/")[0] for r in result["rows"]} == {c.name for c in shapes.HELDOUT}
     assert "model_vs_best_geomean" in capsys.readouterr().out
+
+
+def test_tma_only_configs_stay_with_front_ends_that_have_tma():
+    """pick_config(tma=False) (the JAX front end: no TMA descriptors through jax-triton 0.3.1) never picks a
+    config measured only through the TMA store or loads, from the cache (dsv3-ep8-fc1's wgrad entry is one)
+    or from the model; with tma=True (PyTorch on sm90) they are picked where measured fastest."""
+    picked = {True: set(), False: set()}
+    for case in shapes.select(["suite", "heldout"]):
+        for tma in (True, False):
+            kw = dict(device_name=H100, dtype="bfloat16", G=case.G, N=case.K, K=case.N, M=case.M, sms=132)
+            picked[tma].add(configs.pick_config("k_grouped", "sm90", tma=tma, **kw))
+    assert not picked[False] & configs.TMA_ONLY
+    assert picked[True] >= configs.TMA_ONLY
+    assert set(configs.candidates("k_grouped", "sm90", tma=False)).isdisjoint(configs.TMA_ONLY)
+
+
+def test_jax_front_end_picks_without_tma(monkeypatch):
+    jnp = pytest.importorskip("jax.numpy")
+    from moegemm.jax import _launch as jax_launch
+
+    seen = []
+    inner = configs.pick_config
+    monkeypatch.setattr(configs, "pick_config", lambda *a, **k: (seen.append(k["tma"]), inner(*a, **k))[1])
+    target = jax_launch.Target(name="sm90", device_name=H100, programs=132)
+    jax_launch._launch_options("k_grouped", 16384, 2880, 2880, 32, jnp.dtype(jnp.bfloat16), target)
+    assert seen == [False]

@@ -586,3 +586,62 @@ def test_peak_memory_below_linear_loop():
 
 class TestReference(GroupedLinearTest):
     BACKEND = "reference"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_wgrad_tma_loads_in_backward_and_graph_replay(monkeypatch):
+    """The wgrad's TMA loads where autograd runs the backward (a thread of its own, which needs Triton's
+    scratch allocator there too) and inside a CUDA graph (the scratch comes from the graph's pool), replayed
+    with new sizes: dweight against the fp64 loop, and a spy that every wgrad launch took the TMA loads."""
+    import dataclasses
+
+    from moegemm import configs
+    from moegemm.torch import _launch
+
+    inner = configs.pick_config
+    flat_tma = lambda op, target, **kw: (  # noqa: E731
+        dataclasses.replace(inner(op, target, **kw), flat=True, tma_load=True)
+        if op == "k_grouped"
+        else inner(op, target, **kw)
+    )
+    monkeypatch.setattr(configs, "pick_config", flat_tma)
+    monkeypatch.setattr(_launch, "TMA_LOAD", True)
+    _launch.clear_launch_cache()
+    specs = []
+    for direct in (_launch.K_GROUPED, _launch.K_GROUPED_TMA):
+        record = lambda *a, inner=direct.launch: (specs.append(a[0]), inner(*a))  # noqa: E731
+        monkeypatch.setattr(direct, "launch", record)
+    G8, M8, K8, N8 = 8, 256, 96, 80
+    torch.manual_seed(1)
+    module = GroupedLinear(G8, K8, N8, dtype=torch.bfloat16, device=DEVICE)
+    x = torch.randn(M8, K8, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(M8, N8, device=DEVICE, dtype=torch.bfloat16)
+    gs = torch.tensor(REPLAY_SIZES[0], dtype=torch.int32, device=DEVICE)
+    module(x, gs).backward(dy)
+    _, _, rdw, _ = linear_loop(module, x, REPLAY_SIZES[0], dy)
+    assert_rel_close(module.weight.grad.cpu(), rdw, torch.bfloat16, what="eager dweight, TMA loads")
+    assert specs and all(_launch._k_launch(*s).meta["TMA_LOAD"] for s in specs), specs
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            module(x, gs).backward(dy)
+    torch.cuda.current_stream().wait_stream(side)
+    module.zero_grad(set_to_none=True)
+    x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        module(x, gs).backward(dy)
+    for sizes in REPLAY_SIZES:
+        gs.copy_(torch.tensor(sizes, dtype=torch.int32))
+        with torch.no_grad():
+            x.normal_()
+            dy.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        _, _, rdw, _ = linear_loop(module, x, sizes, dy)
+        assert_rel_close(
+            module.weight.grad.cpu(), rdw, torch.bfloat16, what=f"replay {sizes} dweight, TMA loads"
+        )
+    _launch.clear_launch_cache()

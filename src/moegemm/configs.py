@@ -227,8 +227,20 @@ del M, K
 CACHE_DIR = Path(__file__).parent / "tuned_configs"
 
 
-def candidates(op: str, target: str) -> list:
-    return [cfg for cfg, _why in TABLE[(op, target)]]
+def candidates(op: str, target: str, tma: bool = True) -> list:
+    """The table's configs for (op, target); without ``tma``, not those measured only through TMA."""
+    return [cfg for cfg, _why in TABLE[(op, target)] if tma or cfg not in TMA_ONLY]
+
+
+# Configs whose measurements (tune records, the fitted model, cache entries) came from launches with the
+# TMA store or TMA loads, which only the PyTorch front end has on sm90 (jax-triton 0.3.1 passes neither
+# descriptors nor Triton's global scratch): the flat 128 x 256 loop stores through its staging tile there.
+TMA_ONLY = frozenset(
+    {
+        KGroupedConfig(128, 256, 64, 8, 8, 3, flat=True),
+        KGroupedConfig(128, 256, 64, 8, 8, 3, flat=True, tma_load=True),
+    }
+)
 
 
 def rows_bucket(M: int, G: int) -> int:
@@ -252,19 +264,33 @@ def device_slug(device_name: str) -> str:
 
 
 def pick_config(
-    op: str, target: str, *, device_name: str = "", dtype: str = "", G=0, N=0, K=0, M=0, sms: int = 0
+    op: str,
+    target: str,
+    *,
+    device_name: str = "",
+    dtype: str = "",
+    G=0,
+    N=0,
+    K=0,
+    M=0,
+    sms: int = 0,
+    tma: bool = True,
 ):
     """The tuned config for this shape bucket if the device's committed cache has one; else, for the
     BF16/FP16 m- and k-grouped kernels on a target with a calibrated cost model (moegemm/cost_model.py),
-    the candidate the model predicts fastest for (G, M, N, K) on ``sms`` SMs; else the table default."""
+    the candidate the model predicts fastest for (G, M, N, K) on ``sms`` SMs; else the table default.
+    ``tma=False`` (a front end without TMA descriptors): neither the cache nor the model picks a config
+    of TMA_ONLY."""
     config = TABLE[(op, target)][0][0]
     hit = None
     if target != "interpret" and device_name:
         hit = load_cache(device_name).get(cache_key(op, dtype, G, N, K, M))
         if hit is not None:
-            config = type(config)(**hit)
+            hit = type(config)(**hit)
+            hit = None if not tma and hit in TMA_ONLY else hit
+            config = hit or config
     if hit is None and dtype in ("bfloat16", "float16", "float32") and G > 0 and M > 0:
-        config = _model_pick(op, target, G=G, M=M, N=N, K=K, sms=sms) or config
+        config = _model_pick(op, target, G=G, M=M, N=N, K=K, sms=sms, tma=tma) or config
     if dtype == "float32" and target != "interpret":
         # 4-byte operands double the shared memory per stage; halve the reduction step to fit.
         field = "block_k" if op == "m_grouped" else "block_r"
@@ -331,7 +357,7 @@ def pick_ws_config(
 
 
 @functools.lru_cache(maxsize=1024)
-def _model_pick(op: str, target: str, *, G: int, M: int, N: int, K: int, sms: int):
+def _model_pick(op: str, target: str, *, G: int, M: int, N: int, K: int, sms: int, tma: bool = True):
     from moegemm import cost_model
 
     model = cost_model.load(target)
@@ -339,5 +365,5 @@ def _model_pick(op: str, target: str, *, G: int, M: int, N: int, K: int, sms: in
         return None
     if sms:
         model = dataclasses.replace(model, sms=sms)
-    ranked = model.rank(op, candidates(op, target), G=G, M=M, N=N, K=K)
+    ranked = model.rank(op, candidates(op, target, tma), G=G, M=M, N=N, K=K)
     return ranked[0][1] if ranked else None

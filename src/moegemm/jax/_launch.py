@@ -107,6 +107,7 @@ def _launch_options(
         K=K,
         M=M,
         sms=target.programs,
+        tma=False,  # jax-triton 0.3.1 passes neither TMA descriptors nor Triton's global scratch
     )
     return dict(
         config=config,

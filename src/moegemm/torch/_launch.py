@@ -67,9 +67,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _pick_config(op: str, target: str, device_name: str, programs: int, dtype, **sizes):
-    """The tile config for a launch of ``op`` with sizes G, N, K, M (configs.pick_config)."""
+    """The tile config for a launch of ``op`` with sizes G, N, K, M (configs.pick_config); the TMA-only
+    candidates on sm90, where the launches can store and load through TMA."""
     return configs.pick_config(
-        op, target, device_name=device_name, dtype=_dtype_name(dtype), sms=programs, **sizes
+        op,
+        target,
+        device_name=device_name,
+        dtype=_dtype_name(dtype),
+        sms=programs,
+        tma=target == "sm90",
+        **sizes,
     )
 
 
