@@ -607,6 +607,7 @@ def test_wgrad_tma_loads_in_backward_and_graph_replay(monkeypatch):
     )
     monkeypatch.setattr(configs, "pick_config", flat_tma)
     monkeypatch.setattr(_launch, "TMA_LOAD", True)
+    monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", 0)
     _launch.clear_launch_cache()
     specs = []
     for direct in (_launch.K_GROUPED, _launch.K_GROUPED_TMA):

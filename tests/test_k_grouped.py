@@ -258,6 +258,7 @@ class TestKGroupedTritonFlatTmaLoad(KGroupedTest):
         from moegemm.torch import _launch
 
         monkeypatch.setattr(_launch, "TMA_LOAD", True)
+        monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", 0)  # the tests' problems are tiny
         flat_configs(monkeypatch, tma_load=True)
         self.specs = []
         for direct in (_launch.K_GROUPED, _launch.K_GROUPED_TMA):
@@ -299,6 +300,21 @@ class TestKGroupedTritonFlatTmaLoad(KGroupedTest):
         one-row groups; fp16 too."""
         self.check(sum(sizes), 40, 24, sizes, seed=2)
         self.check(sum(sizes), 40, 24, sizes, dtype=torch.float16, seed=3)
+
+    def test_small_launches_keep_cp_async(self, monkeypatch):
+        """Below TMA_LOAD_MIN_FLOPS (2 M N K) the config's TMA loads give way to cp.async: the per-call
+        scratch allocation would cost more host time than so short a launch hides."""
+        from moegemm.torch import _launch
+
+        M, K, N, sizes = 40, 16, 24, [25, 15]
+        a, b = make_inputs(M, K, N, torch.bfloat16, seed=8)
+        gs = torch.tensor(sizes, device=DEVICE)
+        for min_flops, want in ((2 * M * N * K + 1, False), (2 * M * N * K, True)):
+            monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", min_flops)
+            before = len(self.specs)
+            out = k_grouped_mm(a, b, gs, out_dtype=torch.bfloat16, backend=self.BACKEND)
+            assert [_launch._k_launch(*s).meta["TMA_LOAD"] for s in self.specs[before:]] == [want]
+            assert_rel_close(out.cpu(), reference(a, b, gs), torch.bfloat16, what=f"min_flops {min_flops}")
 
     def test_unaligned_rows_keep_cp_async(self):
         """b's rows 36 elements apart (72 bytes): no descriptor describes them, the cp.async loop runs."""

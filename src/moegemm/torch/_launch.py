@@ -44,9 +44,13 @@ WS = os.environ.get("MOEGEMM_WS", "0") == "1"
 TMA_STORE = os.environ.get("MOEGEMM_TMA_STORE", "1") != "0"
 TMA_STORE_MIN_FLOPS = 5e10
 # The flat k-grouped loop reads a and b through TMA descriptors the kernel makes per group (bf16/fp16,
-# sm90): no address or mask arithmetic per step and no CTA barrier between steps. MOEGEMM_TMA_LOAD=0
-# keeps cp.async. Read at call time.
+# sm90, configs with tma_load): no address or mask arithmetic per step and no CTA barrier between steps.
+# Triton's launcher then allocates the descriptors' global scratch per call: 32.3 vs 24.4 us of host time
+# a wgrad launch on the H100 (perf-notes 25), so, as for the TMA store, only launches of at least
+# TMA_LOAD_MIN_FLOPS use them (below, the same config loads through cp.async). MOEGEMM_TMA_LOAD=0 keeps
+# cp.async everywhere. Both are read at call time.
 TMA_LOAD = os.environ.get("MOEGEMM_TMA_LOAD", "1") != "0"
+TMA_LOAD_MIN_FLOPS = 5e10
 
 
 @functools.cache
@@ -433,6 +437,7 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) ->
     # (M > 0: an empty a's base is null, and a descriptor over it faults even with every row past it).
     tma_load = (
         TMA_LOAD
+        and 2 * M * N * K >= TMA_LOAD_MIN_FLOPS
         and M > 0
         and a.element_size() == 2
         and sa[1] == 1
