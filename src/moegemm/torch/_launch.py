@@ -434,11 +434,12 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) ->
         and out.data_ptr() % 16 == 0
     )
     # Descriptors over a [rows, K] and b [rows, N]: unit column strides, 16-byte row strides and bases
-    # (M > 0: an empty a's base is null, and a descriptor over it faults even with every row past it).
+    # (M > 0: an empty a's base is null, and a descriptor over it faults even with every row past it;
+    # M < 2**31: the kernel's row coordinates are int32).
     tma_load = (
         TMA_LOAD
         and 2 * M * N * K >= TMA_LOAD_MIN_FLOPS
-        and M > 0
+        and 0 < M < 2**31
         and a.element_size() == 2
         and sa[1] == 1
         and sb[1] == 1
