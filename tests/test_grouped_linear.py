@@ -488,6 +488,25 @@ REPLAY_SIZES = (
 )
 
 
+def capture_step(module: GroupedLinear, x: torch.Tensor, gs: torch.Tensor, dy: torch.Tensor):
+    """fwd+bwd warmed up on a side stream (Triton compiles there, as capture wants), grads cleared, then
+    captured once in a CUDA graph: (graph, y). The .grad tensors are allocated in the graph's pool and
+    rewritten by each replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            module(x, gs).backward(dy)
+    torch.cuda.current_stream().wait_stream(side)
+    module.zero_grad(set_to_none=True)
+    x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = module(x, gs)
+        y.backward(dy)
+    return graph, y
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fuse", [False, True], ids=["grad", "main_grad"])
@@ -502,18 +521,7 @@ def test_cuda_graph_replay_with_changing_sizes(dtype, fuse):
     x = torch.randn(M8, K8, device=DEVICE, dtype=dtype, requires_grad=True)
     dy = torch.randn(M8, N8, device=DEVICE, dtype=dtype)
     gs = torch.tensor(REPLAY_SIZES[0], dtype=torch.int32, device=DEVICE)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (Triton compiles) on a side stream, as capture wants
-        for _ in range(2):
-            module(x, gs).backward(dy)
-    torch.cuda.current_stream().wait_stream(side)
-    module.zero_grad(set_to_none=True)
-    x.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = module(x, gs)  # .grad tensors are allocated in the graph pool and rewritten each replay
-        y.backward(dy)
+    graph, y = capture_step(module, x, gs, dy)
     for sizes in REPLAY_SIZES:
         gs.copy_(torch.tensor(sizes, dtype=torch.int32))
         with torch.no_grad():
@@ -623,17 +631,7 @@ def test_wgrad_tma_loads_in_backward_and_graph_replay(monkeypatch):
     _, _, rdw, _ = linear_loop(module, x, REPLAY_SIZES[0], dy)
     assert_rel_close(module.weight.grad.cpu(), rdw, torch.bfloat16, what="eager dweight, TMA loads")
     assert specs and all(_launch._k_launch(*s).meta["TMA_LOAD"] for s in specs), specs
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            module(x, gs).backward(dy)
-    torch.cuda.current_stream().wait_stream(side)
-    module.zero_grad(set_to_none=True)
-    x.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        module(x, gs).backward(dy)
+    graph, _ = capture_step(module, x, gs, dy)
     for sizes in REPLAY_SIZES:
         gs.copy_(torch.tensor(sizes, dtype=torch.int32))
         with torch.no_grad():
