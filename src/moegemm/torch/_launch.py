@@ -464,10 +464,10 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) ->
         tma_load,
     )
     colsum = out if a_colsum is None else a_colsum
-    if tma_load and _k_launch(*spec).meta["TMA_LOAD"]:
-        _ensure_allocator()
-    if tma_store:
+    if tma_store or tma_load:
         launch = _k_launch(*spec)
+        if launch.meta["TMA_LOAD"]:  # descriptors made in the kernel: Triton allocates their scratch
+            _ensure_allocator()
         if launch.meta["TMA_STORE"]:
             block = [1, launch.meta["BLOCK_K"], launch.meta["BLOCK_N"]]
             out_desc = TlTensorDescriptor(out, [G, K, N], list(so), block)
