@@ -71,9 +71,35 @@ def spy_store_paths(monkeypatch, op: str) -> list[tuple[str, tuple]]:
 
     monkeypatch.setattr(configs, "pick_config", pick)
     _launch.clear_launch_cache()
+    return record_launches(monkeypatch, op)
+
+
+def record_launches(monkeypatch, op: str) -> list[tuple[str, tuple]]:
+    """Records (launch name, spec) of every direct launch of ``op`` ("m_grouped" or "k_grouped"): the
+    register-store one ("M_GROUPED"/"K_GROUPED") and the TMA-store one ("_TMA"), each still launching."""
+    from moegemm.torch import _launch
+
     calls = []
     for name in (op.upper(), op.upper() + "_TMA"):
         direct = getattr(_launch, name)
         record = lambda *a, name=name, inner=direct.launch: (calls.append((name, a[0])), inner(*a))  # noqa: E731
         monkeypatch.setattr(direct, "launch", record)
     return calls
+
+
+def flat_configs(monkeypatch, tma_load: bool = False) -> None:
+    """Every k_grouped launch takes the flat loop (whichever config the target's table or model picks),
+    with config.tma_load as given."""
+    import dataclasses
+
+    from moegemm import configs
+    from moegemm.torch import _launch
+
+    inner = configs.pick_config
+
+    def pick(op, target, **kw):
+        config = inner(op, target, **kw)
+        return dataclasses.replace(config, flat=True, tma_load=tma_load) if op == "k_grouped" else config
+
+    monkeypatch.setattr(configs, "pick_config", pick)
+    _launch.clear_launch_cache()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, needs_cuda, spy_store_paths
+from conftest import DEVICE, flat_configs, needs_cuda, record_launches, spy_store_paths
 from torch import nn
 
 from moegemm import shapes
@@ -602,25 +602,12 @@ def test_wgrad_tma_loads_in_backward_and_graph_replay(monkeypatch):
     """The wgrad's TMA loads where autograd runs the backward (a thread of its own, which needs Triton's
     scratch allocator there too) and inside a CUDA graph (the scratch comes from the graph's pool), replayed
     with new sizes: dweight against the fp64 loop, and a spy that every wgrad launch took the TMA loads."""
-    import dataclasses
-
-    from moegemm import configs
     from moegemm.torch import _launch
 
-    inner = configs.pick_config
-    flat_tma = lambda op, target, **kw: (  # noqa: E731
-        dataclasses.replace(inner(op, target, **kw), flat=True, tma_load=True)
-        if op == "k_grouped"
-        else inner(op, target, **kw)
-    )
-    monkeypatch.setattr(configs, "pick_config", flat_tma)
+    flat_configs(monkeypatch, tma_load=True)
     monkeypatch.setattr(_launch, "TMA_LOAD", True)
     monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", 0)
-    _launch.clear_launch_cache()
-    specs = []
-    for direct in (_launch.K_GROUPED, _launch.K_GROUPED_TMA):
-        record = lambda *a, inner=direct.launch: (specs.append(a[0]), inner(*a))  # noqa: E731
-        monkeypatch.setattr(direct, "launch", record)
+    calls = record_launches(monkeypatch, "k_grouped")
     G8, M8, K8, N8 = 8, 256, 96, 80
     torch.manual_seed(1)
     module = GroupedLinear(G8, K8, N8, dtype=torch.bfloat16, device=DEVICE)
@@ -630,7 +617,7 @@ def test_wgrad_tma_loads_in_backward_and_graph_replay(monkeypatch):
     module(x, gs).backward(dy)
     _, _, rdw, _ = linear_loop(module, x, REPLAY_SIZES[0], dy)
     assert_rel_close(module.weight.grad.cpu(), rdw, torch.bfloat16, what="eager dweight, TMA loads")
-    assert specs and all(_launch._k_launch(*s).meta["TMA_LOAD"] for s in specs), specs
+    assert calls and all(_launch._k_launch(*s).meta["TMA_LOAD"] for _, s in calls), calls
     graph, _ = capture_step(module, x, gs, dy)
     for sizes in REPLAY_SIZES:
         gs.copy_(torch.tensor(sizes, dtype=torch.int32))

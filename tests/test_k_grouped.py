@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
-from conftest import DEVICE, spy_store_paths
+from conftest import DEVICE, flat_configs, record_launches, spy_store_paths
 
 from moegemm import shapes
 from moegemm.testing import assert_rel_close, oracle
@@ -202,22 +200,6 @@ class TestKGroupedTriton(KGroupedTest):
     pytestmark = pytest.mark.gpu
 
 
-def flat_configs(monkeypatch, tma_load: bool = False):
-    """Every k_grouped launch takes the flat loop (whichever config the target's table or model picks),
-    with config.tma_load as given."""
-    from moegemm import configs
-    from moegemm.torch import _launch
-
-    inner = configs.pick_config
-
-    def pick(op, target, **kw):
-        config = inner(op, target, **kw)
-        return dataclasses.replace(config, flat=True, tma_load=tma_load) if op == "k_grouped" else config
-
-    monkeypatch.setattr(configs, "pick_config", pick)
-    _launch.clear_launch_cache()
-
-
 class TestKGroupedTritonFlat(KGroupedTest):
     """The same cases through the flat loop (KGroupedConfig.flat: one loop over every reduction step
     of a program's tiles), loading through cp.async with masks (MOEGEMM_TMA_LOAD=0)."""
@@ -260,17 +242,14 @@ class TestKGroupedTritonFlatTmaLoad(KGroupedTest):
         monkeypatch.setattr(_launch, "TMA_LOAD", True)
         monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", 0)  # the tests' problems are tiny
         flat_configs(monkeypatch, tma_load=True)
-        self.specs = []
-        for direct in (_launch.K_GROUPED, _launch.K_GROUPED_TMA):
-            record = lambda *a, inner=direct.launch: (self.specs.append(a[0]), inner(*a))  # noqa: E731
-            monkeypatch.setattr(direct, "launch", record)
+        self.calls = record_launches(monkeypatch, "k_grouped")
         yield
         _launch.clear_launch_cache()
 
     def check(self, M, K, N, sizes, dtype=torch.bfloat16, out_dtype=None, transposed=False, seed=0):
         from moegemm.torch import _launch
 
-        before = len(self.specs)
+        before = len(self.calls)
         out = super().check(M, K, N, sizes, dtype, out_dtype, transposed, seed)
         want = (
             M > 0
@@ -280,7 +259,7 @@ class TestKGroupedTritonFlatTmaLoad(KGroupedTest):
             and K % 8 == 0
             and N % 8 == 0
         )
-        for spec in self.specs[before:]:
+        for _, spec in self.calls[before:]:
             assert _launch._k_launch(*spec).meta["TMA_LOAD"] == want, (M, K, N, dtype, out.dtype, transposed)
         return out
 
@@ -311,9 +290,9 @@ class TestKGroupedTritonFlatTmaLoad(KGroupedTest):
         gs = torch.tensor(sizes, device=DEVICE)
         for min_flops, want in ((2 * M * N * K + 1, False), (2 * M * N * K, True)):
             monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", min_flops)
-            before = len(self.specs)
+            before = len(self.calls)
             out = k_grouped_mm(a, b, gs, out_dtype=torch.bfloat16, backend=self.BACKEND)
-            assert [_launch._k_launch(*s).meta["TMA_LOAD"] for s in self.specs[before:]] == [want]
+            assert [_launch._k_launch(*s).meta["TMA_LOAD"] for _, s in self.calls[before:]] == [want]
             assert_rel_close(out.cpu(), reference(a, b, gs), torch.bfloat16, what=f"min_flops {min_flops}")
 
     def test_unaligned_rows_keep_cp_async(self):
