@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, needs_cuda, spy_store_paths
+from conftest import DEVICE, needs_cuda, record_launches, spy_store_paths
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -134,6 +134,99 @@ class TestMGroupedTritonTmaStore(MGroupedTest):
         """Groups of 1, 31, 33, 64 and 95 rows: whole tiles through the descriptor, each partial last
         tile masked so that it cannot write the next group's first rows, a hot expert's many tiles."""
         self.check(300, 48, 40, [1, 31, 33, 0, 64, 95, 70], bias=True)
+
+
+class TestMGroupedTritonTmaLoad(MGroupedTest):
+    """x and w read through two TMA descriptors the kernel makes once per program: x [M, K] and w's 2-D
+    view, [G * N, K] (K-contiguous) or [G * K, N] (N-contiguous, only without a K tail: a tail step would
+    put the next expert's rows into the reduction). A spy checks every launch took the path its inputs
+    allow: 2-byte operands, 16-byte row strides, the experts back to back."""
+
+    BACKEND = "triton"
+    pytestmark = pytest.mark.gpu
+
+    @pytest.fixture(autouse=True)
+    def spy(self, monkeypatch):
+        from moegemm.torch import _launch
+
+        monkeypatch.setattr(_launch, "M_TMA_LOAD", True)
+        monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", 0)  # the tests' problems are tiny
+        _launch.clear_launch_cache()
+        self.calls = record_launches(monkeypatch, "m_grouped")
+        yield
+        _launch.clear_launch_cache()
+
+    def launched_tma_load(self, before: int) -> list[bool]:
+        from moegemm.torch import _launch
+
+        return [_launch._m_launch(*spec).meta["TMA_LOAD"] for _, spec in self.calls[before:]]
+
+    def check(self, M, K, N, sizes, dtype=torch.bfloat16, layout="transpose_w", **kwargs):
+        from moegemm.torch import _launch
+
+        before = len(self.calls)
+        out = super().check(M, K, N, sizes, dtype=dtype, layout=layout, **kwargs)
+        for _, spec in self.calls[before:]:
+            block_k = _launch._m_launch(*spec).meta["BLOCK_K"]
+            rows_aligned = K % 8 == 0 if layout == "transpose_w" else N % 8 == 0 and K % block_k == 0
+            want_tma = dtype.itemsize == 2 and K % 8 == 0 and rows_aligned
+            assert _launch._m_launch(*spec).meta["TMA_LOAD"] == want_tma, (M, K, N, dtype, layout)
+        return out
+
+    @pytest.mark.parametrize("layout", ["transpose_w", "k-major"])
+    @pytest.mark.parametrize(
+        "sizes",
+        [[0, 0, 50, 33], [83, 0, 0, 0], [1, 81, 0, 1], [64, 19], [0, 0, 0, 0]],
+        ids=["first-groups-empty", "one-hot-first", "one-row-groups", "tail-of-19", "all-empty"],
+    )
+    def test_both_layouts_take_tma_loads(self, sizes, layout):
+        """K = 128 (no K tail), N = 40 (a partial column tile): both weight layouts through TMA; groups
+        ending inside a row tile read the next group's rows, which must never be stored; fp16 too."""
+        self.check(sum(sizes) + 5, 128, 40, sizes, layout=layout, seed=2, bias=True)
+        self.check(sum(sizes) + 5, 128, 40, sizes, dtype=torch.float16, layout=layout, seed=3)
+
+    @pytest.mark.parametrize("layout", ["transpose_w", "k-major"])
+    def test_next_expert_nan_stays_out(self, layout):
+        """Expert 1's weight is NaN: a descriptor read past expert 0's N columns (K-contiguous) or K rows
+        (N-contiguous: a K tail, which must keep cp.async) would carry it into expert 0's rows."""
+        for K in (128, 72):
+            x, w = make_inputs(60, K, 40, 2, torch.bfloat16, layout, seed=5)
+            w[1] = float("nan")
+            before = len(self.calls)
+            out = m_grouped_mm(x, w, torch.tensor([33, 27], device=DEVICE), backend=self.BACKEND)
+            assert_rel_close(
+                out[:33].cpu(), want(x[:33], w[:1], [33]), torch.bfloat16, what=f"{layout} K={K}"
+            )
+            assert out[33:].isnan().all()
+            assert self.launched_tma_load(before) == [layout == "transpose_w" or K == 128], (layout, K)
+
+    def test_weight_views(self):
+        """A K-slice of a wider [G, N, K'] weight keeps TMA loads (the descriptor's K extent clips the
+        rest); an N-slice leaves its experts apart (group stride != N * row stride): cp.async."""
+        gen = torch.Generator().manual_seed(7)
+        x = torch.randn(70, 64, generator=gen).to(dtype=torch.bfloat16, device=DEVICE)
+        wide = torch.randn(3, 48, 96, generator=gen).to(dtype=torch.bfloat16, device=DEVICE)
+        wide[:, :, 64:] = float("nan")  # columns past the K-slice
+        gs = torch.tensor([30, 0, 40], device=DEVICE)
+        for w, tma in ((wide[:, :, :64], True), (wide[:, :40, :64], False)):
+            before = len(self.calls)
+            out = m_grouped_mm(x, w.mT, gs, backend=self.BACKEND)
+            assert_rel_close(out.cpu(), want(x, w.mT, [30, 0, 40]), torch.bfloat16, what=f"view tma={tma}")
+            assert self.launched_tma_load(before) == [tma]
+
+    def test_small_launches_keep_cp_async(self, monkeypatch):
+        """Below TMA_LOAD_MIN_FLOPS (2 M N K) the launch keeps cp.async (the scratch costs host time)."""
+        from moegemm.torch import _launch
+
+        M, K, N = 40, 64, 24
+        x, w = make_inputs(M, K, N, 2, torch.bfloat16, "transpose_w", seed=8)
+        gs = torch.tensor([25, 15], device=DEVICE)
+        for min_flops, tma in ((2 * M * N * K + 1, False), (2 * M * N * K, True)):
+            monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", min_flops)
+            before = len(self.calls)
+            out = m_grouped_mm(x, w, gs, backend=self.BACKEND)
+            assert self.launched_tma_load(before) == [tma]
+            assert_rel_close(out.cpu(), want(x, w, [25, 15]), torch.bfloat16, what=f"min_flops {min_flops}")
 
 
 class TestMGroupedTritonRegisterStore(MGroupedTest):

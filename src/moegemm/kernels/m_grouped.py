@@ -69,6 +69,7 @@ def m_grouped_mm_kernel(
     HAS_BIAS: tl.constexpr,  # add bias[g] to every owned row; bias_ptr is not read otherwise
     WIDE_OFFSETS: tl.constexpr,
     TMA_STORE: tl.constexpr,  # store tiles whose rows are all owned through out_desc (bulk async copies)
+    TMA_LOAD: tl.constexpr,  # load x and w through TMA descriptors the kernel makes once per program
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot is wrong on bf16 operands
     PRECISION: tl.constexpr,
 ):
@@ -91,6 +92,17 @@ def m_grouped_mm_kernel(
         offs_m = offs_m.to(tl.int64)
         offs_n = offs_n.to(tl.int64)
         offs_k = offs_k.to(tl.int64)
+    if TMA_LOAD:
+        # Descriptors over x [M, K] and w's 2-D view (the launcher checked that w's groups sit back to
+        # back): [G * N, K] K-contiguous, [G * K, N] N-contiguous with K % BLOCK_K == 0, so no step reads
+        # the next expert's rows into the reduction. The copy engine zero-fills past M, K and G * N;
+        # rows past a group's end are the next group's, loaded but never stored (partial tiles take the
+        # masked store). Made once per program, unlike the wgrad's per-group ones (k_grouped).
+        x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [stride_xm, 1], [BLOCK_M, BLOCK_K])
+        if W_K_CONTIGUOUS:
+            w_desc = tl.make_tensor_descriptor(w_ptr, [G * N, K], [stride_wn, 1], [BLOCK_N, BLOCK_K])
+        else:
+            w_desc = tl.make_tensor_descriptor(w_ptr, [G * K, N], [stride_wk, 1], [BLOCK_K, BLOCK_N])
     for tile in range(pid, total_tiles, NUM_PROGRAMS):
         g, m_tile, n_tile, row0, row_end, _ = locate_row_tile(
             tile, offs, starts, ends, m_tiles, tile_ends, n_tiles, BLOCK_M, GROUP_M
@@ -114,22 +126,29 @@ def m_grouped_mm_kernel(
         # The bases stay loop-invariant and the step enters the offsets: a loop-carried scalar pointer
         # loses its alignment facts, which stops Triton from pipelining the loads with cp.async.
         for k in range(0, k_steps):
-            k_mask = offs_k < K - k * BLOCK_K
-            x_ptrs = x_base + (x_offs + k * BLOCK_K * stride_xk)
-            w_ptrs = w_base + (w_offs + k * BLOCK_K * stride_wk)
-            if EVEN_K:
-                a = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
-            else:
-                a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            if W_K_CONTIGUOUS:
-                if EVEN_K:
-                    b = tl.trans(tl.load(w_ptrs, mask=col_mask[:, None], other=0.0))
+            if TMA_LOAD:
+                a = x_desc.load([row0.to(tl.int32), k * BLOCK_K])
+                if W_K_CONTIGUOUS:
+                    b = tl.trans(w_desc.load([(g * N + col0).to(tl.int32), k * BLOCK_K]))
                 else:
-                    b = tl.trans(tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0))
-            elif EVEN_K:
-                b = tl.load(w_ptrs, mask=col_mask[None, :], other=0.0)
+                    b = w_desc.load([(g * K + k * BLOCK_K).to(tl.int32), col0.to(tl.int32)])
             else:
-                b = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+                k_mask = offs_k < K - k * BLOCK_K
+                x_ptrs = x_base + (x_offs + k * BLOCK_K * stride_xk)
+                w_ptrs = w_base + (w_offs + k * BLOCK_K * stride_wk)
+                if EVEN_K:
+                    a = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
+                else:
+                    a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                if W_K_CONTIGUOUS:
+                    if EVEN_K:
+                        b = tl.trans(tl.load(w_ptrs, mask=col_mask[:, None], other=0.0))
+                    else:
+                        b = tl.trans(tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0))
+                elif EVEN_K:
+                    b = tl.load(w_ptrs, mask=col_mask[None, :], other=0.0)
+                else:
+                    b = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
             if UPCAST:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
@@ -175,6 +194,12 @@ def tma_store_fits(config, in_itemsize: int) -> bool:
     return sm90_shared_fits(ring + config.block_m * config.block_n * 2, config.ctas_per_sm)
 
 
+def tma_load_fits(K: int, block_k: int, w_k_contiguous: bool) -> bool:
+    """Whether a TMA load of w's 2-D view stays inside one expert's reduction: always K-contiguous (the
+    rows are N, masked at the store), N-contiguous only without a K tail (the rows are K)."""
+    return K > 0 and (w_k_contiguous or K % block_k == 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class MGroupedLaunch:
     """Grid and meta-parameters of one m_grouped_mm_kernel launch, derived from static shapes only."""
@@ -198,6 +223,7 @@ class MGroupedLaunch:
         has_bias: bool = False,
         g_total: int | None = None,
         tma_store: bool = False,
+        tma_load: bool = False,
     ) -> MGroupedLaunch:
         """max_stride: the largest row/column stride of x, w[g] and out (default: contiguous, max(K, N)).
         Element offsets inside one tile or one expert's K range are int32 unless they could overflow.
@@ -207,6 +233,9 @@ class MGroupedLaunch:
         device-side group offset (None: no offset, g_total = G).
         tma_store: the launch can pass a TensorDescriptor over a 2-byte out; used where the config's
         shared memory leaves room for the staging tile (``tma_store_fits``).
+        tma_load: the launch can read x and w through descriptors the kernel makes (the launcher checked
+        unit inner strides, 16-byte row strides and bases, w's groups back to back, int32 coordinates);
+        used for 2-byte inputs where an N-contiguous w has K % BLOCK_K == 0 (``tma_load_fits``).
         """
         bm, bn = config.block_m, config.block_n
         max_stride = max(K, N) if max_stride is None else max_stride
@@ -229,6 +258,7 @@ class MGroupedLaunch:
             HAS_BIAS=has_bias,
             WIDE_OFFSETS=2 * max(bm, bn, K + config.block_k) * max_stride >= 2**31,
             TMA_STORE=tma_store and tma_store_fits(config, 4 if fp32_inputs else 2),
+            TMA_LOAD=tma_load and not fp32_inputs and tma_load_fits(K, config.block_k, w_k_contiguous),
             UPCAST=interpret,
             PRECISION="ieee" if fp32_inputs or interpret else "tf32",
             num_warps=config.num_warps,

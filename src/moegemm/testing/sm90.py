@@ -101,23 +101,25 @@ def _k_grouped_fp8_ws():
     return k_grouped_fp8_ws.k_grouped_mm_fp8_ws_kernel, launch.meta, pointers
 
 
-def _m_grouped(config=None, tma_store: bool = False):
-    """The BF16 forward: x [M, K], the nn.Linear weight read K-contiguous, bias (the default config
-    unless given)."""
+def _m_grouped(config=None, tma_store: bool = False, tma_load: bool = False, w_k_contiguous: bool = True):
+    """The BF16 forward (the nn.Linear weight read K-contiguous) or dgrad (N-contiguous), with bias (the
+    default config unless given)."""
     config = config or configs.candidates("m_grouped", "sm90")[0]
     launch = m_grouped.MGroupedLaunch.make(
-        M, N, K, G, config=config, num_programs_cap=132, fp32_inputs=False, interpret=False, w_k_contiguous=True,
-        has_bias=True, tma_store=tma_store,
+        M, N, K, G, config=config, num_programs_cap=132, fp32_inputs=False, interpret=False,
+        w_k_contiguous=w_k_contiguous, has_bias=True, tma_store=tma_store, tma_load=tma_load,
     )  # fmt: skip
     assert launch.meta["TMA_STORE"] == tma_store, config
+    assert launch.meta["TMA_LOAD"] == tma_load, config
     pointers = {
         "x_ptr": "*bf16", "w_ptr": "*bf16", "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32",
         "bias_ptr": "*bf16", "out_desc": "*bf16", "out_ptr": "*bf16",
     }  # fmt: skip
     if tma_store:
         pointers["out_desc"] = _tl_desc([launch.meta["BLOCK_M"], launch.meta["BLOCK_N"]])
+    w_strides = dict(stride_wk=1, stride_wn=K) if w_k_contiguous else dict(stride_wk=N, stride_wn=1)
     values = dict(
-        M=M, N=N, K=K, G=G, G_TOTAL=G, stride_xm=K, stride_xk=1, stride_wg=N * K, stride_wk=1, stride_wn=K,
+        M=M, N=N, K=K, G=G, G_TOTAL=G, stride_xm=K, stride_xk=1, stride_wg=N * K, **w_strides,
         stride_om=N, stride_on=1, stride_bg=N, stride_bn=1,
     )  # fmt: skip
     meta = {**launch.meta, "ctas_per_sm": config.ctas_per_sm}
@@ -156,9 +158,11 @@ def _k_grouped(
 # Every candidate that MGroupedLaunch / KGroupedLaunch lets store through TMA: their shared-memory
 # estimates (m_grouped.tma_store_fits, k_grouped.tma_store_fits) must hold for what the compiler allocates.
 _TMA_STORE_CANDIDATES = {
+    # Each m_grouped candidate with cp.async and with TMA loads (their mbarriers must fit the margin).
     **{
-        f"m_grouped_tma_store-{i}": (_m_grouped, config, {})
+        f"m_grouped_tma_store-{i}{suffix}": (_m_grouped, config, {"tma_load": tma_load})
         for i, config in enumerate(configs.candidates("m_grouped", "sm90"))
+        for suffix, tma_load in (("", False), ("-tma-load", True))
         if m_grouped.tma_store_fits(config, 2)
     },
     # Each k_grouped candidate in both loops (the flat loop can be forced onto any config), and flat with
@@ -183,6 +187,15 @@ _TMA_STORE_CANDIDATES = {
 KERNELS = {
     "m_grouped": _m_grouped,
     "k_grouped": _k_grouped,
+    "m_grouped-tma-load-dgrad": lambda: _m_grouped(tma_load=True, w_k_contiguous=False),
+    "m_grouped_tma_store-tma-load-dgrad": lambda: _m_grouped(
+        tma_store=True, tma_load=True, w_k_contiguous=False
+    ),
+    **{
+        f"m_grouped-{i}-tma-load": (lambda c=config: _m_grouped(c, tma_load=True))
+        for i, config in enumerate(configs.candidates("m_grouped", "sm90"))
+        if not m_grouped.tma_store_fits(config, 2)
+    },
     "k_grouped_tma_store-colsum": lambda: _k_grouped(tma_store=True, a_colsum=True),
     "k_grouped-flat-tma-load": lambda: _k_grouped(
         dataclasses.replace(configs.candidates("k_grouped", "sm90")[0], flat=True, tma_load=True),

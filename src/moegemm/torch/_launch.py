@@ -51,6 +51,9 @@ TMA_STORE_MIN_FLOPS = 5e10
 # cp.async everywhere. Both are read at call time.
 TMA_LOAD = os.environ.get("MOEGEMM_TMA_LOAD", "1") != "0"
 TMA_LOAD_MIN_FLOPS = 5e10
+# The m-grouped kernel reading x and w through two TMA descriptors it makes once per program (same
+# gate and scratch as above). MOEGEMM_M_TMA_LOAD=1 turns it on; off by default until measured.
+M_TMA_LOAD = os.environ.get("MOEGEMM_M_TMA_LOAD", "0") == "1"
 
 
 @functools.cache
@@ -87,8 +90,10 @@ def _pick_config(op: str, target: str, device_name: str, programs: int, dtype, *
 # Launch descriptions depend only on static facts (shapes, dtype, device, stride class), so they are
 # memoized.
 @functools.lru_cache(maxsize=4096)
-def _m_launch(M, N, K, G, dtype, device, max_stride, w_k_contiguous, has_bias, tma_store) -> MGroupedLaunch:
-    """tma_store: out can take a TMA descriptor (as in _k_launch)."""
+def _m_launch(
+    M, N, K, G, dtype, device, max_stride, w_k_contiguous, has_bias, tma_store, tma_load
+) -> MGroupedLaunch:  # fmt: skip
+    """tma_store: out can take a TMA descriptor; tma_load: x and w can (as in _k_launch)."""
     target, device_name, programs = _target(device)
     config = _pick_config("m_grouped", target, device_name, programs, dtype, G=G, N=N, K=K, M=M)
     return MGroupedLaunch.make(
@@ -104,6 +109,7 @@ def _m_launch(M, N, K, G, dtype, device, max_stride, w_k_contiguous, has_bias, t
         w_k_contiguous=w_k_contiguous,
         has_bias=has_bias,
         tma_store=tma_store and target in ("sm90", "interpret"),
+        tma_load=tma_load and target in ("sm90", "interpret"),
     )
 
 
@@ -357,6 +363,24 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
         and so[0] % 8 == 0
         and out.data_ptr() % 16 == 0
     )
+    w_k_contiguous = sw[1] == 1 and sw[2] != 1
+    # Descriptors over x [M, K] and w's 2-D view ([G * N, K] or [G * K, N]): unit inner strides, 16-byte
+    # row strides and bases, the experts back to back (one expert: any group stride), int32 coordinates.
+    w_rows, w_row_stride = (N, sw[2]) if w_k_contiguous else (K, sw[1])
+    tma_load = (
+        M_TMA_LOAD
+        and 2 * M * N * K >= TMA_LOAD_MIN_FLOPS
+        and M < 2**31
+        and G * w_rows < 2**31
+        and x.element_size() == 2
+        and sx[1] == 1
+        and sx[0] % 8 == 0
+        and (w_k_contiguous or sw[2] == 1)
+        and w_row_stride % 8 == 0
+        and (G == 1 or sw[0] == w_rows * w_row_stride)
+        and x.data_ptr() % 16 == 0
+        and w.data_ptr() % 16 == 0
+    )
     spec = (
         M,
         N,
@@ -365,14 +389,17 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
         x.dtype,
         x.device,
         max(map(abs, (*sx, sw[1], sw[2], *so, sb[1]))),
-        sw[1] == 1 and sw[2] != 1,
+        w_k_contiguous,
         bias is not None,
         tma_store,
+        tma_load,
     )
     b = x if bias is None else bias
     ints = (M, N, K, G, G, *sx, *sw, *so, *sb)
-    if tma_store:
+    if tma_store or tma_load:
         launch = _m_launch(*spec)
+        if launch.meta["TMA_LOAD"]:  # descriptors made in the kernel: Triton allocates their scratch
+            _ensure_allocator()
         if launch.meta["TMA_STORE"]:
             out_desc = TlTensorDescriptor(
                 out, [M, N], [so[0], 1], [launch.meta["BLOCK_M"], launch.meta["BLOCK_N"]]
