@@ -4,27 +4,29 @@
     OUT=/tmp/probe python scripts/probe_m_tma_load.py [--cases suite,heldout] [--ops fwd,dgrad]
     OUT=/tmp/probe python scripts/probe_m_tma_load.py --host   # host cost per call, TMA loads vs cp.async
 
-Both variants run the launcher's own config. Per case-op the order is torch, cp.async, TMA, TMA, cp.async
-(ABBA, so a drift of the clock within the case shows as a gap between the two readings of one variant).
-Timing: triton.testing.do_bench medians (CUDA events, L2 cleared before each run); each variant's output is
-checked against torch's first (NaN-poisoned). Appends JSON lines to $OUT/m_tma_load.jsonl.
+Variants (``VARIANTS``): the launcher's config with cp.async or TMA loads, and configs that TMA loads may
+admit. Timing: medians of CUDA-event times with the variants and torch taking turns call by call
+(``paired_ms``: the first run, which timed each variant in one block, moved up to 10% between two blocks of
+the same variant as the clock drifted); each variant's output is checked against torch's first
+(NaN-poisoned). Appends JSON lines to $OUT/m_tma_load.jsonl.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
 import sys
 
 import torch
-import triton.testing
 
-from moegemm import shapes
+from moegemm import configs, shapes
 from moegemm.torch import _launch
 
 LOG = os.path.join(os.environ.get("OUT", "."), "m_tma_load.jsonl")
+PICK = configs.pick_config
 SPECS = []  # the spec of every m-grouped launch, to read back which loads it took
 
 
@@ -73,12 +75,58 @@ def host(rounds: int = 7, calls: int = 200) -> None:
         record(kind="host", variant=variant, host_us=values[len(values) // 2], rounds=values)
 
 
+VARIANTS = {  # name: (TMA loads, config override: None for the launcher's pick, or (candidate, changes))
+    "cp": (False, None),
+    "tma": (True, None),
+    "tma-c0s4": (True, (0, {"num_stages": 4})),  # 192 KB ring, no room for the TMA store's staging tile
+}
+
+
+def switch(variant: str) -> None:
+    tma, override = VARIANTS[variant]
+    _launch.M_TMA_LOAD = tma
+    if override is None:
+        configs.pick_config = PICK
+    else:
+        index, changes = override
+        config = dataclasses.replace(configs.candidates("m_grouped", "sm90")[index], **changes)
+        configs.pick_config = lambda o, *a, **k: config if o == "m_grouped" else PICK(o, *a, **k)
+    _launch.clear_launch_cache()
+
+
+@functools.cache
+def _flush_buffer() -> torch.Tensor:
+    return torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+
+
+def paired_ms(fns: dict, reps: int) -> dict:
+    """Medians of CUDA-event times, the variants taking turns rep by rep (a clock that drifts over the
+    run moves all of them alike), L2 flushed before each timed call, each preceded by an untimed call
+    that binds its launch."""
+    flush = _flush_buffer()
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, (prepare, fn) in fns.items():
+            prepare()
+            fn()
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--host", action="store_true")
     p.add_argument("--cases", default="suite,heldout")
     p.add_argument("--ops", default="fwd,dgrad")
     p.add_argument("--split", default="dirichlet")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--reps", type=int, default=25)
     args = p.parse_args()
     if args.host:
         host()
@@ -102,30 +150,30 @@ def main() -> int:
                 ours = functools.partial(_launch.launch_m_grouped, dy, w, gs, out)
             want = peer()
             row = dict(case=case.name, op=op, G=case.G, M=case.M, K=case.K, N=case.N, split=args.split)
-            row["torch_ms"] = triton.testing.do_bench(peer, warmup=10, rep=60, return_mode="median")
-            for i, variant in enumerate(("cp", "tma", "tma", "cp")):
-                _launch.M_TMA_LOAD = variant == "tma"
-                key = f"{variant}{1 + (i in (2, 3))}"
+            fns = {"torch": (lambda: None, peer)}
+            for variant in args.variants.split(","):
+                switch(variant)
                 try:
                     out.fill_(float("nan"))
                     ours()
-                    row[f"{key}_took_tma"] = _launch._m_launch(*SPECS[-1]).meta["TMA_LOAD"]
-                    err = relerr(out, want)
-                    ms = triton.testing.do_bench(ours, warmup=10, rep=60, return_mode="median")
-                    row[f"{key}_ms"] = ms
-                    row[f"{key}_relerr"] = err
+                    row[f"{variant}_took_tma"] = _launch._m_launch(*SPECS[-1]).meta["TMA_LOAD"]
+                    row[f"{variant}_relerr"] = err = relerr(out, want)
                     if not err < 1e-2:
-                        row[f"{key}_error"] = "relerr above 1e-2"
+                        row[f"{variant}_error"] = "relerr above 1e-2"
+                        continue
+                    fns[variant] = (functools.partial(switch, variant), ours)
                 except Exception as e:
-                    row[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            for variant in ("cp", "tma"):
-                times = [row.get(f"{variant}{j}_ms") for j in (1, 2)]
-                if all(times):
-                    row[f"{variant}_vs_torch"] = row["torch_ms"] / min(times)
-            if row.get("cp_vs_torch") and row.get("tma_vs_torch"):
-                row["tma_over_cp"] = row["tma_vs_torch"] / row["cp_vs_torch"]
+                    row[f"{variant}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            for name, ms in paired_ms(fns, args.reps).items():
+                row[f"{name}_ms"] = ms
+                if name != "torch":
+                    row[f"{name}_vs_torch"] = row["torch_ms"] / ms
+            if "cp_ms" in row:
+                for variant in fns:
+                    if variant not in ("torch", "cp"):
+                        row[f"{variant}_over_cp"] = row["cp_ms"] / row[f"{variant}_ms"]
             record(**row)
-    _launch.M_TMA_LOAD = False
+    switch("cp")
     return 0
 
 
