@@ -1,5 +1,5 @@
 """GPU probe (H100): the m-grouped (fwd/dgrad) kernel reading x and w through TMA descriptors
-(MOEGEMM_M_TMA_LOAD) against the same launch with cp.async, next to torch._grouped_mm.
+(MOEGEMM_TMA_LOAD) against the same launch with cp.async, next to torch._grouped_mm.
 
     OUT=/tmp/probe python scripts/probe_m_tma_load.py [--cases suite,heldout] [--ops fwd,dgrad]
     OUT=/tmp/probe python scripts/probe_m_tma_load.py --host   # host cost per call, TMA loads vs cp.async
@@ -61,12 +61,12 @@ def host(rounds: int = 7, calls: int = 200) -> None:
     call = functools.partial(_launch.launch_m_grouped, x, w, gs, out, transpose_w=True)
     samples = {"tma": [], "cp": []}
     for variant in samples:  # compile and bind both first
-        _launch.M_TMA_LOAD = variant == "tma"
+        _launch.TMA_LOAD = variant == "tma"
         call()
     torch.cuda.synchronize()
     for _ in range(rounds):
         for variant, values in samples.items():
-            _launch.M_TMA_LOAD = variant == "tma"
+            _launch.TMA_LOAD = variant == "tma"
             call()
             values.append(median_host_us(call, calls))
             torch.cuda.synchronize()
@@ -84,7 +84,7 @@ VARIANTS = {  # name: (TMA loads, config override: None for the launcher's pick,
 
 def switch(variant: str) -> None:
     tma, override = VARIANTS[variant]
-    _launch.M_TMA_LOAD = tma
+    _launch.TMA_LOAD = tma
     if override is None:
         configs.pick_config = PICK
     else:
