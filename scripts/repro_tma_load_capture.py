@@ -1,0 +1,106 @@
+"""GPU repro (H100): which TMA-load launches can be captured in a CUDA graph. One case per process:
+
+    python scripts/repro_tma_load_capture.py CASE [--thread-local]
+
+CASE: m-fwd, m-dgrad, k-wgrad (one launch captured on the main thread), gl-k (GroupedLinear fwd+bwd,
+TMA loads in the wgrad only), gl-m (fwd/dgrad only), gl-all. Prints one JSON line."""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+
+import torch
+
+from moegemm.torch import GroupedLinear, _launch
+
+
+def main() -> None:
+    case = sys.argv[1]
+    mode = "thread_local" if "--thread-local" in sys.argv else "global"
+    _launch.TMA_LOAD = True
+    _launch.TMA_LOAD_MIN_FLOPS = 0
+    G, M, K, N = 8, 256, 96, 128
+    gs = torch.tensor([64, 0, 40, 100, 12, 0, 30, 10], dtype=torch.int32, device="cuda")
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16)
+    took = {}
+    if case.startswith("gl-"):
+        import dataclasses
+
+        from moegemm import configs
+
+        inner_pick = configs.pick_config
+        configs.pick_config = lambda op, *a, **k: (
+            dataclasses.replace(inner_pick(op, *a, **k), flat=True, tma_load=True)
+            if op == "k_grouped"
+            else inner_pick(op, *a, **k)
+        )
+        if case == "gl-k":  # m-grouped launches keep cp.async
+            inner_m = _launch.launch_m_grouped
+
+            def no_m_tma(*a, **k):
+                _launch.TMA_LOAD = False
+                try:
+                    inner_m(*a, **k)
+                finally:
+                    _launch.TMA_LOAD = True
+
+            _launch.launch_m_grouped = no_m_tma
+        if case == "gl-m":
+            inner_k = _launch.launch_k_grouped
+
+            def no_k_tma(*a, **k):
+                _launch.TMA_LOAD = False
+                try:
+                    inner_k(*a, **k)
+                finally:
+                    _launch.TMA_LOAD = True
+
+            _launch.launch_k_grouped = no_k_tma
+        module = GroupedLinear(G, K, N, dtype=torch.bfloat16, device="cuda")
+        xr = x.clone().requires_grad_()
+
+        def step():
+            module(xr, gs).backward(dy)
+
+    else:
+        out_m = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        out_d = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
+        out_k = torch.empty(G, N, K, device="cuda", dtype=torch.bfloat16)
+
+        def step():
+            if case == "m-fwd":
+                _launch.launch_m_grouped(x, w, gs, out_m, transpose_w=True)
+            elif case == "m-dgrad":
+                _launch.launch_m_grouped(dy, w, gs, out_d)
+            else:
+                _launch.launch_k_grouped(dy, x, gs, out_k, False)
+
+    result = dict(case=case, mode=mode)
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode=mode):
+            step()
+        graph.replay()
+        torch.cuda.synchronize()
+        result["ok"] = True
+    except Exception as e:
+        result["ok"] = False
+        result["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        result["where"] = traceback.format_exc().splitlines()[-6:-4]
+    result["took"] = took
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
