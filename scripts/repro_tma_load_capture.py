@@ -1,6 +1,6 @@
 """GPU repro (H100): which TMA-load launches can be captured in a CUDA graph. One case per process:
 
-    python scripts/repro_tma_load_capture.py CASE [--thread-local]
+    python scripts/repro_tma_load_capture.py CASE [--thread-local] [--eager-first]
 
 CASE: m-fwd, m-dgrad, k-wgrad (one launch captured on the main thread), gl-k (GroupedLinear fwd+bwd,
 TMA loads in the wgrad only), gl-m (fwd/dgrad only), gl-all. Prints one JSON line."""
@@ -79,8 +79,11 @@ def main() -> None:
             else:
                 _launch.launch_k_grouped(dy, x, gs, out_k, False)
 
-    result = dict(case=case, mode=mode)
+    result = dict(case=case, mode=mode, eager_first="--eager-first" in sys.argv)
     try:
+        if result["eager_first"]:  # as the GroupedLinear test: one step on the default stream first
+            step()
+            torch.cuda.synchronize()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
