@@ -1,6 +1,6 @@
 """GPU repro (H100): which TMA-load launches can be captured in a CUDA graph. One case per process:
 
-    python scripts/repro_tma_load_capture.py CASE [--thread-local] [--eager-first]
+    python scripts/repro_tma_load_capture.py CASE [--thread-local] [--eager-first] [--poison] [--record]
 
 CASE: m-fwd, m-dgrad, k-wgrad (one launch captured on the main thread), gl-k (GroupedLinear fwd+bwd,
 TMA loads in the wgrad only), gl-m (fwd/dgrad only), gl-all. Prints one JSON line."""
@@ -27,6 +27,19 @@ def main() -> None:
     dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16)
     took = {}
+    if "--poison" in sys.argv:  # as tests/conftest.py: library outputs start as NaN
+        from moegemm.torch import _ops
+
+        def nan_empty(*size, dtype=None, device=None, **kwargs):
+            out = torch.empty(*size, dtype=dtype, device=device, **kwargs)
+            return out.fill_(float("nan")) if out.is_floating_point() else out
+
+        _ops.empty = nan_empty
+    if "--record" in sys.argv:  # as tests/conftest.record_launches
+        for name in ("M_GROUPED", "M_GROUPED_TMA", "K_GROUPED", "K_GROUPED_TMA"):
+            direct = getattr(_launch, name)
+            inner = direct.launch
+            direct.launch = lambda *a, inner=inner, name=name: (took.setdefault(name, 0), inner(*a))
     if case.startswith("gl-"):
         import dataclasses
 
