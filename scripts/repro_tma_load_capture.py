@@ -1,6 +1,7 @@
 """GPU repro (H100): which TMA-load launches can be captured in a CUDA graph. One case per process:
 
     python scripts/repro_tma_load_capture.py CASE [--thread-local] [--eager-first] [--poison] [--record]
+        [--zero-grad]
 
 CASE: m-fwd, m-dgrad, k-wgrad (one launch captured on the main thread), gl-k (GroupedLinear fwd+bwd,
 TMA loads in the wgrad only), gl-m (fwd/dgrad only), gl-all. Prints one JSON line."""
@@ -8,6 +9,7 @@ TMA loads in the wgrad only), gl-m (fwd/dgrad only), gl-all. Prints one JSON lin
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 
@@ -100,6 +102,9 @@ def main() -> None:
                 step()
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
+        if "--zero-grad" in sys.argv and case.startswith("gl-"):  # as the tests' capture_step
+            module.zero_grad(set_to_none=True)
+            xr.grad = None
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode=mode):
             step()
@@ -110,6 +115,8 @@ def main() -> None:
         result["ok"] = False
         result["error"] = f"{type(e).__name__}: {str(e)[:160]}"
         result["where"] = traceback.format_exc().splitlines()[-6:-4]
+        with open(os.path.join(os.environ.get("OUT", "."), f"capture-{case}.txt"), "a") as f:
+            f.write(" ".join(sys.argv) + "\n" + traceback.format_exc() + "\n")
     result["took"] = took
     print(json.dumps(result), flush=True)
 
