@@ -1,5 +1,5 @@
 """GPU probe (H100): the m-grouped (fwd/dgrad) kernel reading x and w through TMA descriptors
-(MOEGEMM_M_TMA_LOAD) against the same launch with cp.async, next to torch._grouped_mm.
+(MOEGEMM_TMA_LOAD) against the same launch with cp.async, next to torch._grouped_mm.
 
     OUT=/tmp/probe python scripts/probe_m_tma_load.py [--cases suite,heldout] [--ops fwd,dgrad]
     OUT=/tmp/probe python scripts/probe_m_tma_load.py --host   # host cost per call, TMA loads vs cp.async
@@ -58,7 +58,6 @@ def host(rounds: int = 7, calls: int = 200) -> None:
     gs = torch.full((G,), M // G, dtype=torch.int32, device="cuda")
     out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
     _launch.TMA_LOAD_MIN_FLOPS = 0  # this shape is below the gate
-    _launch.M_TMA_LOAD = True
     call = functools.partial(_launch.launch_m_grouped, x, w, gs, out, transpose_w=True)
     samples = {"tma": [], "cp": []}
     for variant in samples:  # compile and bind both first
@@ -133,7 +132,6 @@ def main() -> int:
         host()
         return 0
     _record_specs()
-    _launch.M_TMA_LOAD = True  # the variants switch TMA_LOAD (this probe's runs predate M_TMA_LOAD)
     for case in shapes.select(args.cases.split(",")):
         sizes = shapes.group_sizes(case.M, case.G, split=args.split)
         gs = torch.tensor(sizes, dtype=torch.int32, device="cuda")

@@ -35,7 +35,6 @@ def main() -> None:
     case = sys.argv[1]
     mode = "thread_local" if "--thread-local" in sys.argv else "global"
     _launch.TMA_LOAD = True
-    _launch.M_TMA_LOAD = True  # (the runs of perf-notes 26 predate this switch: TMA_LOAD covered both)
     _launch.TMA_LOAD_MIN_FLOPS = 0
     G, M, K, N = 8, 256, 96, 128
     gs = torch.tensor([64, 0, 40, 100, 12, 0, 30, 10], dtype=torch.int32, device="cuda")

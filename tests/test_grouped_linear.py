@@ -598,27 +598,39 @@ class TestReference(GroupedLinearTest):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_wgrad_tma_loads_in_backward_and_graph_replay(monkeypatch):
-    """The wgrad's TMA loads where autograd runs the backward (a thread of its own, which needs Triton's
-    scratch allocator there too) and inside a CUDA graph (the scratch comes from the graph's pool), replayed
-    with new sizes: dweight against the fp64 loop, and a spy that every wgrad launch took the TMA loads."""
+def test_tma_loads_in_backward_and_graph_replay(monkeypatch):
+    """TMA loads in all three GEMMs (fwd and dgrad: descriptors made once per program; wgrad: per group)
+    where autograd runs the backward (a thread of its own, which needs Triton's scratch allocator there
+    too) and inside a CUDA graph (the scratch comes from the graph's pool), replayed with new sizes: y, dx
+    and dweight against the fp64 loop, and a spy that every launch took the TMA loads."""
     from moegemm.torch import _launch
 
     flat_configs(monkeypatch, tma_load=True)
     monkeypatch.setattr(_launch, "TMA_LOAD", True)
     monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", 0)
-    calls = record_launches(monkeypatch, "k_grouped")
-    G8, M8, K8, N8 = 8, 256, 96, 80
+    k_calls = record_launches(monkeypatch, "k_grouped")
+    m_calls = record_launches(monkeypatch, "m_grouped")
+    # N8 = 128: the dgrad reads the weight N-contiguous, which takes TMA loads only without a K tail.
+    G8, M8, K8, N8 = 8, 256, 96, 128
     torch.manual_seed(1)
     module = GroupedLinear(G8, K8, N8, dtype=torch.bfloat16, device=DEVICE)
     x = torch.randn(M8, K8, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(M8, N8, device=DEVICE, dtype=torch.bfloat16)
     gs = torch.tensor(REPLAY_SIZES[0], dtype=torch.int32, device=DEVICE)
-    module(x, gs).backward(dy)
-    _, _, rdw, _ = linear_loop(module, x, REPLAY_SIZES[0], dy)
+    y = module(x, gs)
+    y.backward(dy)
+    ry, rdx, rdw, _ = linear_loop(module, x, REPLAY_SIZES[0], dy)
+    assert_rel_close(y.detach().cpu(), ry, torch.bfloat16, what="eager y, TMA loads")
+    assert_rel_close(x.grad.cpu(), rdx, torch.bfloat16, what="eager dx, TMA loads")
     assert_rel_close(module.weight.grad.cpu(), rdw, torch.bfloat16, what="eager dweight, TMA loads")
-    assert calls and all(_launch._k_launch(*s).meta["TMA_LOAD"] for _, s in calls), calls
-    graph, _ = capture_step(module, x, gs, dy)
+    assert k_calls and all(_launch._k_launch(*s).meta["TMA_LOAD"] for _, s in k_calls), k_calls
+    assert len(m_calls) == 2 and all(_launch._m_launch(*s).meta["TMA_LOAD"] for _, s in m_calls), m_calls
+    # The eager y keeps its autograd graph's nodes alive, x's AccumulateGrad among them, and that node keeps
+    # the legacy stream it was made on: the capture's backward would then wait on the legacy stream and
+    # fail (cudaErrorStreamCaptureImplicit), with or without TMA loads (perf-notes 26). PyTorch behaviour:
+    # https://github.com/pytorch/pytorch/issues/164302
+    del y
+    graph, y = capture_step(module, x, gs, dy)
     for sizes in REPLAY_SIZES:
         gs.copy_(torch.tensor(sizes, dtype=torch.int32))
         with torch.no_grad():
@@ -626,7 +638,9 @@ def test_wgrad_tma_loads_in_backward_and_graph_replay(monkeypatch):
             dy.normal_()
         graph.replay()
         torch.cuda.synchronize()
-        _, _, rdw, _ = linear_loop(module, x, sizes, dy)
+        ry, rdx, rdw, _ = linear_loop(module, x, sizes, dy)
+        assert_rel_close(y.detach().cpu(), ry, torch.bfloat16, what=f"replay {sizes} y, TMA loads")
+        assert_rel_close(x.grad.cpu(), rdx, torch.bfloat16, what=f"replay {sizes} dx, TMA loads")
         assert_rel_close(
             module.weight.grad.cpu(), rdw, torch.bfloat16, what=f"replay {sizes} dweight, TMA loads"
         )

@@ -150,7 +150,6 @@ class TestMGroupedTritonTmaLoad(MGroupedTest):
         from moegemm.torch import _launch
 
         monkeypatch.setattr(_launch, "TMA_LOAD", True)
-        monkeypatch.setattr(_launch, "M_TMA_LOAD", True)
         monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", 0)  # the tests' problems are tiny
         _launch.clear_launch_cache()
         self.calls = record_launches(monkeypatch, "m_grouped")

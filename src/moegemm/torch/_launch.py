@@ -50,13 +50,9 @@ TMA_STORE_MIN_FLOPS = 5e10
 # fwd 20.2 vs 15.5 us on the H100; perf-notes 25, 26), so, as for the TMA store, only launches of at least
 # TMA_LOAD_MIN_FLOPS use them (below, the same config loads through cp.async). Measured gain of the
 # m-grouped loads, paired timing: +0.4-0.6% geomean over 34 fwd/dgrad case-ops, -1.4% to +6% per case
-# (perf-notes 26). MOEGEMM_TMA_LOAD=0 keeps cp.async everywhere. All three are read at call time.
+# (perf-notes 26). MOEGEMM_TMA_LOAD=0 keeps cp.async everywhere. Both are read at call time.
 TMA_LOAD = os.environ.get("MOEGEMM_TMA_LOAD", "1") != "0"
 TMA_LOAD_MIN_FLOPS = 5e10
-# The m-grouped TMA loads are opt-in (MOEGEMM_M_TMA_LOAD=1, on top of TMA_LOAD): with them, capturing a
-# GroupedLinear training step in a CUDA graph failed in the test suite on the H100 (cudaErrorStreamCapture-
-# Implicit in the backward; the same capture in a standalone script passed; not understood, perf-notes 26).
-M_TMA_LOAD = os.environ.get("MOEGEMM_M_TMA_LOAD", "0") == "1"
 
 
 @functools.cache
@@ -372,7 +368,6 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
     w_rows, w_row_stride = (N, sw[2]) if w_k_contiguous else (K, sw[1])
     tma_load = (
         TMA_LOAD
-        and M_TMA_LOAD
         and 2 * M * N * K >= TMA_LOAD_MIN_FLOPS
         and M < 2**31
         and G * w_rows < 2**31
