@@ -32,6 +32,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor as TlTensorDescripto
 from moegemm import configs
 from moegemm.kernels import k_grouped, k_grouped_fp8_ws, m_grouped, m_grouped_fp8_ws, m_grouped_ws
 from moegemm.kernels.gluon_hopper import TensorDescriptor, gl
+from moegemm.kernels.schedule import sm90_shared_fits
 
 __all__ = ["KERNELS", "compile_kernel"]
 
@@ -191,10 +192,16 @@ KERNELS = {
     "m_grouped_tma_store-tma-load-dgrad": lambda: _m_grouped(
         tma_store=True, tma_load=True, w_k_contiguous=False
     ),
+    # The candidates without room for the TMA store, with TMA loads: those whose operand ring fits their CTAs
+    # per SM (64 x 256 x 64 in 3 stages at 2 CTAs per SM does not, 120 KB each, with or without TMA loads: a
+    # table entry that runs one CTA per SM; no cache entry or model pick uses it, perf-notes 26).
     **{
         f"m_grouped-{i}-tma-load": (lambda c=config: _m_grouped(c, tma_load=True))
         for i, config in enumerate(configs.candidates("m_grouped", "sm90"))
         if not m_grouped.tma_store_fits(config, 2)
+        and sm90_shared_fits(
+            config.num_stages * config.block_k * (config.block_m + config.block_n) * 2, config.ctas_per_sm
+        )
     },
     "k_grouped_tma_store-colsum": lambda: _k_grouped(tma_store=True, a_colsum=True),
     "k_grouped-flat-tma-load": lambda: _k_grouped(
