@@ -176,8 +176,64 @@ def test_tma_only_configs_stay_with_front_ends_that_have_tma():
             kw = dict(device_name=H100, dtype="bfloat16", G=case.G, N=case.K, K=case.N, M=case.M, sms=132)
             picked[tma].add(configs.pick_config("k_grouped", "sm90", tma=tma, **kw))
     assert not picked[False] & configs.TMA_ONLY
-    assert picked[True] >= configs.TMA_ONLY
+    assert picked[True] >= {c for c in configs.TMA_ONLY if isinstance(c, configs.KGroupedConfig)}
     assert set(configs.candidates("k_grouped", "sm90", tma=False)).isdisjoint(configs.TMA_ONLY)
+
+
+def test_four_stage_forward_tile_only_where_measured(monkeypatch):
+    """The 4-stage m-grouped 128 x 256 was measured on forwards with TMA loads (perf-notes 26): the launcher
+    offers it to a forward launch that loads through TMA (glm45air fwd, where it won 3%, gets it), not to the
+    same launch with cp.async, nor to the same sizes with an N-contiguous weight (a dgrad's layout, where it
+    lost), nor to JAX (tma=False)."""
+    import torch
+
+    from moegemm.torch import _launch
+
+    four = configs.MGroupedConfig(128, 256, 64, 8, 8, 4)
+    assert four in configs.TMA_ONLY
+    monkeypatch.setattr(_launch, "_target", lambda device: ("sm90", H100, 132))
+    _launch.clear_launch_cache()
+    case = shapes.get("glm45air-ep4-fc2")
+
+    def stages(N, K, w_k_contiguous, tma_load):
+        spec = (case.M, N, K, case.G, torch.bfloat16, torch.device("cpu"), max(N, K), w_k_contiguous, False)
+        return _launch._m_launch(*spec, False, tma_load).meta["num_stages"]
+
+    try:
+        assert stages(case.N, case.K, True, True) == 4
+        assert stages(case.N, case.K, True, False) == 3
+        assert stages(case.N, case.K, False, True) == 3  # the same sizes, the dgrad's weight layout
+    finally:
+        _launch.clear_launch_cache()
+    jax_pick = configs.pick_config(
+        "m_grouped", "sm90", device_name=H100, dtype="bfloat16", G=case.G, N=case.N, K=case.K, M=case.M, sms=132,
+        tma=False,
+    )  # fmt: skip
+    assert jax_pick != four
+
+
+def test_extend_calibrates_only_the_new_config():
+    """--extend-model (what added the 4-stage forward tile): the new config's (a, b) fitted on its own
+    samples come out as committed, and every other coefficient (the other configs', bw, gamma, c0, p, the
+    k-grouped half) is left as the full fit made it, so no other pick moves."""
+    import dataclasses
+
+    committed = cost_model.load("sm90")
+    payload = json.loads(cost_model.model_path("sm90").read_text())
+    (entry,) = payload["extended"]["configs"]
+    key = tuple(entry["fields"])
+    m = committed.ops["m_grouped"]
+    without = dataclasses.replace(m, per_config={k: v for k, v in m.per_config.items() if k != key})
+    base = dataclasses.replace(committed, ops={**committed.ops, "m_grouped": without})
+    data = fit_model.samples(fit_model.load_records([RESULTS / n for n in payload["extended"]["sources"]]))
+    model, added = fit_model.extend(base, data)
+    assert added == [("m_grouped", key)]
+    assert model.ops["k_grouped"] == committed.ops["k_grouped"]
+    got = model.ops["m_grouped"]
+    assert (got.bw, got.gamma, got.c0, got.p) == (m.bw, m.gamma, m.c0, m.p)
+    assert {k: v for k, v in got.per_config.items() if k != key} == without.per_config
+    assert got.per_config[key] == pytest.approx(m.per_config[key], rel=1e-4)
+    assert fit_model.extend(committed, data)[1] == []  # nothing left to calibrate
 
 
 def test_jax_front_end_picks_without_tma(monkeypatch):

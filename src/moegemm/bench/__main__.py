@@ -71,6 +71,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "src/moegemm/tuned_configs/model-sm90.json)",
     )
     model.add_argument(
+        "--extend-model",
+        nargs="+",
+        type=Path,
+        metavar="TUNE_JSON",
+        help="calibrate only the configs of these --tune files that the committed model lacks (a new "
+        "candidate), everything else held, and write the model (--out, default the committed one)",
+    )
+    model.add_argument(
         "--eval-model",
         nargs="+",
         type=Path,
@@ -130,7 +138,7 @@ def select_cases(args, shapes, cuda: bool):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.fit_model or args.eval_model:
+    if args.fit_model or args.eval_model or args.extend_model:
         return _model_cli(args)
     import torch
 
@@ -301,6 +309,9 @@ def _model_cli(args) -> int:
 
     if args.fit_model:
         fit_model.run(args.fit_model, args.out, sms=args.sms)
+        return 0
+    if args.extend_model:
+        fit_model.run_extend(args.extend_model, args.out)
         return 0
     model = cost_model.load("sm90")
     if model is None:

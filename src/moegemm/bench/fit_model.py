@@ -106,6 +106,62 @@ def _fit_op(op: str, rows: list[Sample], sms: int) -> cost_model.OpModel:
     return cost_model.OpModel(per_config=per, bw=bw, gamma=gamma, c0=c0, p=p)
 
 
+def extend(model: cost_model.Model, data: list[Sample]) -> tuple[cost_model.Model, list[tuple]]:
+    """``model`` plus (a, b) for every config in ``data`` it has no coefficients for, each fitted on that
+    config's own samples with everything else held (the other configs' a and b, the op's bw, gamma, c0, p):
+    a candidate added later is calibrated without moving the model's choice among the others, which a
+    refit does (perf-notes 26: one refit moved GROUP_M on 30 launches nobody re-measured). Returns the
+    model and the configs added."""
+    from scipy.optimize import least_squares
+
+    ops, added = dict(model.ops), []
+    for op, om in model.ops.items():
+        new = sorted({cost_model.config_fields(s.config) for s in data if s.op == op} - set(om.per_config))
+        per = dict(om.per_config)
+        for key in new:
+            rows = [s for s in data if s.op == op and cost_model.config_fields(s.config) == key]
+            works = [cost_model.work(op, s.config, G=s.G, M=s.M, N=s.N, K=s.K, sms=model.sms) for s in rows]
+            measured = np.log([s.seconds for s in rows])
+            glob = (om.bw, om.gamma, om.c0, om.p)
+
+            def residuals(x, works=works, measured=measured, glob=glob):
+                pred = [cost_model.predict(tuple(np.exp(x)), glob, w) for w in works]
+                return np.log(pred) - measured
+
+            result = least_squares(residuals, np.log([_INIT["a"], _INIT["b"]]), method="trf", max_nfev=20000)
+            per[key] = tuple(float(v) for v in np.exp(result.x))
+            added.append((op, key))
+        ops[op] = dataclasses.replace(om, per_config=per)
+    return dataclasses.replace(model, ops=ops), added
+
+
+def run_extend(paths: list[Path], out: Path | None, *, target: str = "sm90", console=print) -> dict:
+    """Extends the committed model with the configs of ``paths`` it lacks (``extend``) and writes it
+    (``out``, default the committed model): its sources and fit summary gain the new records."""
+    base_path = cost_model.model_path(target)
+    payload = json.loads(base_path.read_text())
+    data = samples(load_records(paths))
+    model, added = extend(cost_model.Model.from_json(payload), data)
+    if not added:
+        raise SystemExit(f"every config in {[str(p) for p in paths]} is calibrated already")
+    rows = evaluate(model, data, target)
+    payload.update(model.to_json())
+    payload["extended"] = {
+        "sources": [Path(p).name for p in paths],
+        "configs": [{"op": op, "fields": list(key)} for op, key in added],
+        "fit": summarize(rows),
+    }
+    out = out or base_path
+    out.write_text(json.dumps(payload, indent=1) + "\n")
+    cost_model.load.cache_clear()
+    for r in rows:
+        console(
+            f"{r['launch']:<32} model {r['model_vs_best']:.3f} default {r['default_vs_best']:.3f} of best"
+        )
+    console(f"extended with {added} on {len(data)} samples -> {out}: {payload['extended']['fit']}")
+    return payload
+
+
 def evaluate(model: cost_model.Model, data: list[Sample], target: str = "sm90") -> list[dict]:
     """Per launch: the measured best, the model's pick and the table default, as times and ratios to
     the best (1.0 = the model picked the fastest measured candidate). Only launches whose candidates

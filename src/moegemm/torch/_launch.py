@@ -72,16 +72,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _pick_config(op: str, target: str, device_name: str, programs: int, dtype, **sizes):
+def _pick_config(op: str, target: str, device_name: str, programs: int, dtype, tma: bool = True, **sizes):
     """The tile config for a launch of ``op`` with sizes G, N, K, M (configs.pick_config); the TMA-only
-    candidates on sm90, where the launches can store and load through TMA."""
+    candidates on sm90 where the launch can take them (``tma``)."""
     return configs.pick_config(
         op,
         target,
         device_name=device_name,
         dtype=_dtype_name(dtype),
         sms=programs,
-        tma=target == "sm90",
+        tma=tma and target == "sm90",
         **sizes,
     )
 
@@ -94,7 +94,9 @@ def _m_launch(
 ) -> MGroupedLaunch:  # fmt: skip
     """tma_store: out can take a TMA descriptor; tma_load: x and w can (as in _k_launch)."""
     target, device_name, programs = _target(device)
-    config = _pick_config("m_grouped", target, device_name, programs, dtype, G=G, N=N, K=K, M=M)
+    # The m-grouped TMA-only candidates were measured on forward launches (K-contiguous w) with TMA loads.
+    tma = tma_load and w_k_contiguous
+    config = _pick_config("m_grouped", target, device_name, programs, dtype, tma=tma, G=G, N=N, K=K, M=M)
     return MGroupedLaunch.make(
         M,
         N,
