@@ -9,7 +9,7 @@ import torch
 
 from moegemm import configs, shapes, testing
 from moegemm.bench import __main__ as cli
-from moegemm.bench import harness, registry, report, roofline, tune
+from moegemm.bench import harness, registry, report, roofline, timing, tune
 from moegemm.bench.problem import make_problem
 
 # These drive the CLI and the tuner on the CPU tiny suite (interpreter target); with a GPU the CLI picks
@@ -324,3 +324,28 @@ def test_summary_reports_each_shape_set_apart():
     assert held["geomean_vs_torch"] == pytest.approx(math.sqrt(0.9 * 0.81)) and held["ge_1x_torch"] == 0
     assert held["worst_vs_torch"] == pytest.approx(0.81) and held["ge_85pct_floor"] == 1
     assert s["compared"] == 4 and "heldout:" in report.summary_line(s)
+
+
+def test_paired_timing_alternates_the_implementations():
+    """timing.paired_ms calls the implementations in turns (a, b, a, b, ...), so a clock that drifts
+    during the run moves both alike; a median per implementation comes back."""
+    calls = []
+    fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    got = timing.paired_ms(fns, torch.device("cpu"), timing.TimingConfig(cpu_reps=4), estimate_ms=1.0)
+    assert set(got) == {"a", "b"} and all(v >= 0 for v in got.values())
+    assert calls == ["a", "b"] * 4
+
+
+def test_cli_paired_records_and_summary(tmp_path):
+    """--paired: every ok implementation of a case-op gets paired_ms, moegemm's paired_vs_torch is its
+    paired speedup over torch._grouped_mm, and the summary reports the paired geomean."""
+    out = tmp_path / "r.json"
+    argv = ["--cases", "tiny-qwen3-fc2", "--ops", "fwd", "--impls", "moegemm,torch._grouped_mm", "--quick"]
+    assert cli.main([*argv, "--paired", "--no-plot", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    records = {r["impl"]: r for r in data["records"]}
+    assert all(r["status"] == "ok" and r["paired_ms"] > 0 for r in records.values())
+    moe, peer = records["moegemm"], records["torch._grouped_mm"]
+    assert moe["paired_vs_torch"] == pytest.approx(peer["paired_ms"] / moe["paired_ms"])
+    assert data["meta"]["summary"]["paired_compared"] == 1
+    assert data["meta"]["summary"]["paired_geomean_vs_torch"] == pytest.approx(moe["paired_vs_torch"])

@@ -46,6 +46,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--quick", action="store_true", help="shorter timing budgets (warm-up 10 ms, 40 ms of reps)"
     )
+    p.add_argument(
+        "--paired",
+        action="store_true",
+        help="also time each case-op's implementations taking turns call by call (paired_ms, paired_vs_torch): "
+        "immune to clock drift between one implementation's timing block and the next",
+    )
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/<device>-<date>.json)")
     p.add_argument("--plot", type=Path, help="PNG path (default: the JSON path with .png)")
     p.add_argument("--no-plot", action="store_true")
@@ -218,6 +224,7 @@ def main(argv=None) -> int:
         seed=args.seed,
         jagged=jagged,
         timing=timing.TimingConfig.quick() if args.quick else timing.TimingConfig(),
+        paired=args.paired,
     )
     if not cuda:
         console.print(

@@ -174,8 +174,11 @@ def measure(
     *,
     tcfg: timing.TimingConfig,
     reference: Callable[[], torch.Tensor],
+    keep: dict | None = None,
 ) -> dict:
-    """One record: skipped (reason), failed (error or relerr > tol), or ok (checked, then timed)."""
+    """One record: skipped (reason), failed (error or relerr > tol), or ok (checked, then timed).
+    ``keep``: where an ok measurement on the events clock leaves its callable (impl name -> fn), for
+    the paired timing of ``run``."""
     rec = base_record(problem, op, impl.name, env)
     if impl.name == "moegemm":
         from moegemm.bench.impls_torch import backend_label
@@ -215,6 +218,8 @@ def measure(
         issue_us = timing.host_us(getattr(fn, "issue", fn), problem.device)
     except Exception as exc:  # noqa: BLE001
         return {**rec, "status": "failed", "reason": "device/host timing: " + _reason(exc)}
+    if keep is not None and impl.clock == "events":
+        keep[impl.name] = fn
     tf = roofline.tflops(problem.case, op, ms)
     return {
         **rec,
@@ -238,6 +243,13 @@ def add_speedups(records: list[dict]) -> None:
         for r in ok:
             r["speedup"] = {p["impl"]: p["ms"] / r["ms"] for p in ok if p is not r}
             r["vs_torch"] = r["speedup"].get(TORCH_PEER)
+            if r.get("paired_ms"):  # the same on the paired clock (RunSpec.paired)
+                r["paired_speedup"] = {
+                    p["impl"]: p["paired_ms"] / r["paired_ms"]
+                    for p in ok
+                    if p is not r and p.get("paired_ms")
+                }
+                r["paired_vs_torch"] = r["paired_speedup"].get(TORCH_PEER)
             if r.get("device_ms"):  # the same ratios on the one clock all frameworks share
                 r["device_speedup"] = {
                     p["impl"]: p["device_ms"] / r["device_ms"]
@@ -263,6 +275,9 @@ class RunSpec:
     seed: int = 0
     jagged: list[int] | None = None
     timing: timing.TimingConfig = dataclasses.field(default_factory=timing.TimingConfig)
+    # Also time the ok implementations of each (case, op) taking turns call by call (timing.paired_ms):
+    # paired_ms, paired_speedup and paired_vs_torch beside the per-implementation clocks.
+    paired: bool = False
 
     def problem(self, case: shapes.Case) -> Problem:
         """The inputs of ``case`` under this run's device, dtype, split, seed and ops."""
@@ -289,10 +304,21 @@ def run(
         problem = spec.problem(case)
         for op in spec.ops:
             reference = lazy(functools.partial(problem.reference, op))
+            kept: dict = {}
+            mine = []
             for impl in spec.impls:
                 progress(f"{problem.case.name} {op} {impl.name}")
-                records.append(measure(problem, op, impl, env, tcfg=spec.timing, reference=reference))
-            del reference
+                keep = kept if spec.paired else None
+                mine.append(measure(problem, op, impl, env, tcfg=spec.timing, reference=reference, keep=keep))
+            if len(kept) >= 2:
+                progress(f"{problem.case.name} {op} paired")
+                estimate = sum(r["ms"] for r in mine if r["impl"] in kept)
+                paired = timing.paired_ms(kept, spec.device, spec.timing, estimate)
+                for r in mine:
+                    if r["impl"] in paired:
+                        r["paired_ms"] = paired[r["impl"]]
+            records.extend(mine)
+            del reference, kept
             _free(spec.device)
         del problem
         _free(spec.device)

@@ -137,6 +137,20 @@ def _counts(records: list[dict]) -> dict:
         "ge_85pct_floor": sum(r["pct_floor"] >= GOAL_PCT_FLOOR for r in mine),
         "both": sum(r["vs_torch"] >= 1.0 and r["pct_floor"] >= GOAL_PCT_FLOOR for r in both),
         "worst_vs_torch": min(ratios) if ratios else None,
+        **_paired_counts(mine),
+    }
+
+
+def _paired_counts(mine: list[dict]) -> dict:
+    """The same comparison on the paired clock, where the run has it (RunSpec.paired)."""
+    ratios = [r["paired_vs_torch"] for r in mine if r.get("paired_vs_torch") is not None]
+    if not ratios:
+        return {}
+    return {
+        "paired_compared": len(ratios),
+        "paired_geomean_vs_torch": math.exp(sum(map(math.log, ratios)) / len(ratios)),
+        "paired_ge_1x_torch": sum(r >= 1.0 for r in ratios),
+        "paired_worst_vs_torch": min(ratios),
     }
 
 
@@ -183,6 +197,12 @@ def _counts_line(s: dict) -> str:
         f"moegemm vs {TORCH_PEER}: geomean {geo}; {s['ge_1x_torch']}/{s['compared']} at >= 1.0x torch, "
         f"{s['ge_85pct_floor']}/{s['moegemm_ok']} at >= {GOAL_PCT_FLOOR:.0f}% of floor, {s['both']} both; "
         f"moegemm ok {s['moegemm_ok']}/{s['case_ops']}, failed {s['moegemm_failed']}"
+        + (
+            ""
+            if s.get("paired_geomean_vs_torch") is None
+            else f"; paired: {s['paired_geomean_vs_torch']:.3f}x, {s['paired_ge_1x_torch']}/{s['paired_compared']} "
+            f"at >= 1.0x, worst {s['paired_worst_vs_torch']:.2f}x"
+        )
         + (
             ""
             if s.get("jax_vs_torch_device_geomean") is None

@@ -44,6 +44,40 @@ def median_ms(fn, device: torch.device, clock: str, cfg: TimingConfig) -> float:
     return _wall_ms(fn, reps=cfg.cpu_reps, cfg=cfg, sync=lambda: None)
 
 
+def paired_ms(fns: dict, device: torch.device, cfg: TimingConfig, estimate_ms: float) -> dict:
+    """Median ms of each callable in ``fns``, the callables taking turns call by call: a drift of the
+    clock over the run (on the H100, up to 10% between two blocks of do_bench of the same kernel,
+    perf-notes 26) then moves every implementation alike instead of whichever was timed in the slow
+    block. As do_bench: warm-up calls, the L2 flushed before each timed call, CUDA events recorded without a
+    sync in between, one sync at the end. ``estimate_ms``: one call of each, summed (sizes the reps to
+    ``cfg.rep_ms`` per implementation). CPU: perf_counter around each call (not meaningful)."""
+    reps = max(10, min(500, int(cfg.rep_ms * len(fns) / max(estimate_ms, 1e-3))))
+    names = list(fns)
+    if device.type != "cuda":
+        times = {name: [] for name in names}
+        for _ in range(max(1, cfg.cpu_reps)):
+            for name in names:
+                start = time.perf_counter()
+                fns[name]()
+                times[name].append((time.perf_counter() - start) * 1e3)
+        return {name: statistics.median(t) for name, t in times.items()}
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
+    for _ in range(max(1, int(cfg.warmup_ms * len(fns) / max(estimate_ms, 1e-3)) // len(fns))):
+        for name in names:
+            fns[name]()
+    events = {name: [] for name in names}
+    for _ in range(reps):
+        for name in names:
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[name]()
+            end.record()
+            events[name].append((start, end))
+    torch.cuda.synchronize(device)
+    return {name: statistics.median(s.elapsed_time(e) for s, e in pairs) for name, pairs in events.items()}
+
+
 def _wall_ms(fn, *, reps: int | None, cfg: TimingConfig, sync) -> float:
     """Median wall time; reps=None sizes warm-up and reps from the ms budgets like do_bench."""
     if reps is None:
