@@ -337,11 +337,11 @@ def test_paired_timing_alternates_the_implementations():
 
 
 def test_cli_paired_records_and_summary(tmp_path):
-    """--paired: every ok implementation of a case-op gets paired_ms, moegemm's paired_vs_torch is its
+    """--paired (the default): every ok implementation of a case-op gets paired_ms, moegemm's paired_vs_torch is its
     paired speedup over torch._grouped_mm, and the summary reports the paired geomean."""
     out = tmp_path / "r.json"
     argv = ["--cases", "tiny-qwen3-fc2", "--ops", "fwd", "--impls", "moegemm,torch._grouped_mm", "--quick"]
-    assert cli.main([*argv, "--paired", "--no-plot", "--out", str(out)]) == 0
+    assert cli.main([*argv, "--no-plot", "--out", str(out)]) == 0  # paired is the default
     data = json.loads(out.read_text())
     records = {r["impl"]: r for r in data["records"]}
     assert all(r["status"] == "ok" and r["paired_ms"] > 0 for r in records.values())
@@ -349,3 +349,5 @@ def test_cli_paired_records_and_summary(tmp_path):
     assert moe["paired_vs_torch"] == pytest.approx(peer["paired_ms"] / moe["paired_ms"])
     assert data["meta"]["summary"]["paired_compared"] == 1
     assert data["meta"]["summary"]["paired_geomean_vs_torch"] == pytest.approx(moe["paired_vs_torch"])
+    assert cli.main([*argv, "--no-paired", "--no-plot", "--out", str(out)]) == 0
+    assert all("paired_ms" not in r for r in json.loads(out.read_text())["records"])

@@ -48,9 +48,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--paired",
-        action="store_true",
-        help="also time each case-op's implementations taking turns call by call (paired_ms, paired_vs_torch): "
-        "immune to clock drift between one implementation's timing block and the next",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time each case-op's implementations taking turns call by call (paired_ms, paired_vs_torch; "
+        "default on): immune to clock drift between one implementation's timing block and the next",
     )
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/<device>-<date>.json)")
     p.add_argument("--plot", type=Path, help="PNG path (default: the JSON path with .png)")
