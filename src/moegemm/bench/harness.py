@@ -333,7 +333,8 @@ def _free(device: torch.device) -> None:
 
 
 def steps(spec: RunSpec) -> int:
-    return len(spec.cases) * len(spec.ops) * len(spec.impls)
+    """Progress steps of ``run``: one per (case, op, impl), and one per (case, op) for the paired timing."""
+    return len(spec.cases) * len(spec.ops) * (len(spec.impls) + spec.paired)
 
 
 def iter_ok(records: Iterable[dict], impl: str) -> Iterable[dict]:
