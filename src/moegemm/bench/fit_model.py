@@ -118,11 +118,11 @@ def extend(model: cost_model.Model, data: list[Sample]) -> tuple[cost_model.Mode
     for op, om in model.ops.items():
         new = sorted({cost_model.config_fields(s.config) for s in data if s.op == op} - set(om.per_config))
         per = dict(om.per_config)
+        glob = (om.bw, om.gamma, om.c0, om.p)
         for key in new:
             rows = [s for s in data if s.op == op and cost_model.config_fields(s.config) == key]
             works = [cost_model.work(op, s.config, G=s.G, M=s.M, N=s.N, K=s.K, sms=model.sms) for s in rows]
             measured = np.log([s.seconds for s in rows])
-            glob = (om.bw, om.gamma, om.c0, om.p)
 
             def residuals(x, works=works, measured=measured, glob=glob):
                 pred = [cost_model.predict(tuple(np.exp(x)), glob, w) for w in works]

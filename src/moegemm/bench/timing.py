@@ -51,7 +51,6 @@ def paired_ms(fns: dict, device: torch.device, cfg: TimingConfig, estimate_ms: f
     block. As do_bench: warm-up calls, the L2 flushed before each timed call, CUDA events recorded without a
     sync in between, one sync at the end. ``estimate_ms``: one call of each, summed (sizes the reps to
     ``cfg.rep_ms`` per implementation). CPU: perf_counter around each call (not meaningful)."""
-    reps = max(10, min(500, int(cfg.rep_ms * len(fns) / max(estimate_ms, 1e-3))))
     names = list(fns)
     if device.type != "cuda":
         times = {name: [] for name in names}
@@ -61,8 +60,10 @@ def paired_ms(fns: dict, device: torch.device, cfg: TimingConfig, estimate_ms: f
                 fns[name]()
                 times[name].append((time.perf_counter() - start) * 1e3)
         return {name: statistics.median(t) for name, t in times.items()}
+    calls_per_ms = len(fns) / max(estimate_ms, 1e-3)  # calls of one implementation per ms of budget
+    reps = max(10, min(500, int(cfg.rep_ms * calls_per_ms)))
     flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
-    for _ in range(max(1, int(cfg.warmup_ms * len(fns) / max(estimate_ms, 1e-3)) // len(fns))):
+    for _ in range(max(1, int(cfg.warmup_ms * calls_per_ms) // len(fns))):
         for name in names:
             fns[name]()
     events = {name: [] for name in names}

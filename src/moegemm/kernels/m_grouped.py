@@ -187,17 +187,24 @@ def m_grouped_mm_kernel(
             )  # fmt: skip
 
 
+def ring_bytes(config, in_itemsize: int) -> int:
+    """Shared memory of the config's operand ring: NUM_STAGES x and w tiles."""
+    return config.num_stages * config.block_k * (config.block_m + config.block_n) * in_itemsize
+
+
 def tma_store_fits(config, in_itemsize: int) -> bool:
     """Whether the TMA store's 2-byte staging tile (BLOCK_M x BLOCK_N) fits next to the operand ring at
     the config's CTAs per SM (the estimate k_grouped.tma_store_fits explains)."""
-    ring = config.num_stages * config.block_k * (config.block_m + config.block_n) * in_itemsize
-    return sm90_shared_fits(ring + config.block_m * config.block_n * 2, config.ctas_per_sm)
+    return sm90_shared_fits(
+        ring_bytes(config, in_itemsize) + config.block_m * config.block_n * 2, config.ctas_per_sm
+    )
 
 
 def tma_load_fits(K: int, block_k: int, w_k_contiguous: bool) -> bool:
     """Whether a TMA load of w's 2-D view stays inside one expert's reduction: always K-contiguous (the
-    rows are N, masked at the store), N-contiguous only without a K tail (the rows are K)."""
-    return K > 0 and (w_k_contiguous or K % block_k == 0)
+    rows are N, masked at the store), N-contiguous only without a K tail (the rows are K). The one copy of
+    this rule: the warp-specialized kernel's TMA loader (m_grouped_ws.supported_tma) reads the same view."""
+    return w_k_contiguous or K % block_k == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,7 +241,7 @@ class MGroupedLaunch:
         tma_store: the launch can pass a TensorDescriptor over a 2-byte out; used where the config's
         shared memory leaves room for the staging tile (``tma_store_fits``).
         tma_load: the launch can read x and w through descriptors the kernel makes (the launcher checked
-        unit inner strides, 16-byte row strides and bases, w's groups back to back, int32 coordinates);
+        K > 0, unit inner strides, 16-byte row strides and bases, w's groups back to back, int32 coordinates);
         used for 2-byte inputs where an N-contiguous w has K % BLOCK_K == 0 (``tma_load_fits``).
         """
         bm, bn = config.block_m, config.block_n

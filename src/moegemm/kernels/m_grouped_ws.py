@@ -55,6 +55,7 @@ from moegemm.kernels.gluon_hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from moegemm.kernels.m_grouped import tma_load_fits
 from moegemm.kernels.schedule import locate_row_tile
 
 __all__ = ["LOADER_WARPS", "MAXNREG", "MGroupedWsLaunch", "supported", "supported_problem", "supported_tma"]
@@ -454,5 +455,8 @@ def supported_tma(
     step would read the next group's rows); coordinates that fit int32."""
     rows = N if w_k_contiguous else K
     return (
-        w_g_stride == rows * w_row and (w_k_contiguous or K % block_k == 0) and G * rows < 2**31 and M < 2**31
+        w_g_stride == rows * w_row
+        and tma_load_fits(K, block_k, w_k_contiguous)
+        and G * rows < 2**31
+        and M < 2**31
     )

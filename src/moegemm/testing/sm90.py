@@ -199,9 +199,7 @@ KERNELS = {
         f"m_grouped-{i}-tma-load": (lambda c=config: _m_grouped(c, tma_load=True))
         for i, config in enumerate(configs.candidates("m_grouped", "sm90"))
         if not m_grouped.tma_store_fits(config, 2)
-        and sm90_shared_fits(
-            config.num_stages * config.block_k * (config.block_m + config.block_n) * 2, config.ctas_per_sm
-        )
+        and sm90_shared_fits(m_grouped.ring_bytes(config, 2), config.ctas_per_sm)
     },
     "k_grouped_tma_store-colsum": lambda: _k_grouped(tma_store=True, a_colsum=True),
     "k_grouped-flat-tma-load": lambda: _k_grouped(

@@ -365,12 +365,14 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
         and out.data_ptr() % 16 == 0
     )
     w_k_contiguous = sw[1] == 1 and sw[2] != 1
-    # Descriptors over x [M, K] and w's 2-D view ([G * N, K] or [G * K, N]): unit inner strides, 16-byte
-    # row strides and bases, the experts back to back (one expert: any group stride), int32 coordinates.
+    # Descriptors over x [M, K] and w's 2-D view ([G * N, K] or [G * K, N]): nonzero extents, unit inner
+    # strides, 16-byte row strides and bases, the experts back to back (one expert: any group stride), int32
+    # coordinates (the K-tail rule needs the config's BLOCK_K: m_grouped.tma_load_fits).
     w_rows, w_row_stride = (N, sw[2]) if w_k_contiguous else (K, sw[1])
     tma_load = (
         TMA_LOAD
         and 2 * M * N * K >= TMA_LOAD_MIN_FLOPS
+        and K > 0
         and M < 2**31
         and G * w_rows < 2**31
         and x.element_size() == 2
