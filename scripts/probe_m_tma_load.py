@@ -75,15 +75,19 @@ def host(rounds: int = 7, calls: int = 200) -> None:
         record(kind="host", variant=variant, host_us=values[len(values) // 2], rounds=values)
 
 
-VARIANTS = {  # name: (TMA loads, config override: None for the launcher's pick, or (candidate, changes))
+VARIANTS = {  # name: (TMA loads, config override: None for the launcher's pick, or (candidate, changes)[, mixed])
     "cp": (False, None),
     "tma": (True, None),
     "tma-c0s4": (True, (0, {"num_stages": 4})),  # 192 KB ring, no room for the TMA store's staging tile
+    # Mixed tile heights (configs.MIXED_M, perf-notes 27) off: every row tile BLOCK_M high.
+    "cp-uniform": (False, None, False),
+    "tma-uniform": (True, None, False),
 }
 
 
 def switch(variant: str) -> None:
-    tma, override = VARIANTS[variant]
+    tma, override, *mixed = VARIANTS[variant]
+    configs.MIXED_M = mixed[0] if mixed else True
     _launch.TMA_LOAD = tma
     if override is None:
         configs.pick_config = PICK
@@ -156,7 +160,9 @@ def main() -> int:
                 try:
                     out.fill_(float("nan"))
                     ours()
-                    row[f"{variant}_took_tma"] = _launch._m_launch(*SPECS[-1]).meta["TMA_LOAD"]
+                    meta = _launch._m_launch(*SPECS[-1]).meta
+                    row[f"{variant}_took_tma"] = meta["TMA_LOAD"]
+                    row[f"{variant}_mixed_m"] = meta["MIXED_M"]
                     row[f"{variant}_relerr"] = err = relerr(out, want)
                     if not err < 1e-2:
                         row[f"{variant}_error"] = "relerr above 1e-2"
@@ -172,6 +178,9 @@ def main() -> int:
                 for variant in fns:
                     if variant not in ("torch", "cp"):
                         row[f"{variant}_over_cp"] = row["cp_ms"] / row[f"{variant}_ms"]
+            for variant in fns:  # mixed tile heights over every tile full height, same loads
+                if f"{variant}-uniform_ms" in row:
+                    row[f"{variant}_over_uniform"] = row[f"{variant}-uniform_ms"] / row[f"{variant}_ms"]
             record(**row)
     switch("cp")
     return 0

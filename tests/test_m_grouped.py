@@ -244,6 +244,69 @@ class TestMGroupedTritonRegisterStore(MGroupedTest):
         yield
 
 
+class TestMGroupedTritonUniformM(MGroupedTest):
+    """Every row tile BLOCK_M high (MOEGEMM_MIXED_M=0): no half-high tail tiles. A spy fails any test whose
+    launch had them on."""
+
+    BACKEND = "triton"
+    pytestmark = pytest.mark.gpu
+
+    @pytest.fixture(autouse=True)
+    def uniform(self, monkeypatch):
+        from moegemm import configs
+        from moegemm.torch import _launch
+
+        monkeypatch.setattr(configs, "MIXED_M", False)
+        _launch.clear_launch_cache()
+        self.calls = record_launches(monkeypatch, "m_grouped")
+        yield
+        assert not any(_launch._m_launch(*spec).meta["MIXED_M"] for _, spec in self.calls)
+        _launch.clear_launch_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["transpose_w", "k-major"])
+@pytest.mark.parametrize("tma", [False, True], ids=["cp-async", "tma-load"])
+def test_mixed_m_half_tiles_match_full_tiles(monkeypatch, layout, tma):
+    """Groups whose last row tile has 1, BLOCK_M / 2 - 1, BLOCK_M / 2 (half-high tiles), BLOCK_M / 2 + 1
+    and BLOCK_M - 1 rows (full tiles), an empty group and one hot expert: the same out with mixed tile
+    heights as with every tile full height, and the launch must have had them on. On a GPU the two agree
+    bitwise (each element's reduction runs in the same order in both tile heights)."""
+    from moegemm import configs
+    from moegemm.kernels import m_grouped
+    from moegemm.torch import _launch
+
+    monkeypatch.setattr(_launch, "TMA_LOAD", tma)
+    monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", 0)
+    # The table's default config (128 rows on sm90), whatever the model would pick for this small problem.
+    target = _launch._target(torch.device(DEVICE))[0]
+    default = configs.candidates("m_grouped", target)[0]
+    inner = configs.pick_config
+    monkeypatch.setattr(
+        configs, "pick_config", lambda op, *a, **kw: default if op == "m_grouped" else inner(op, *a, **kw)
+    )
+    calls = record_launches(monkeypatch, "m_grouped")
+    block_m = default.block_m
+    assert m_grouped.mixed_m_fits(block_m, target == "interpret"), default
+    half = block_m // 2
+    sizes = [block_m + 1, 0, half - 1, block_m + half, 2 * block_m + half + 1, block_m - 1, 3 * block_m]
+    M, K, N = sum(sizes) + 5, 80, 72
+    x, w = make_inputs(M, K, N, len(sizes), torch.bfloat16, layout, seed=3)
+    b = (torch.randn(len(sizes), N) + 3).to(dtype=torch.bfloat16, device=DEVICE)
+    gs = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
+    outs = {}
+    for mixed in (True, False):
+        monkeypatch.setattr(configs, "MIXED_M", mixed)
+        _launch.clear_launch_cache()
+        outs[mixed] = m_grouped_mm(x, w, gs, bias=b)
+        assert _launch._m_launch(*calls[-1][1]).meta["MIXED_M"] == mixed
+    _launch.clear_launch_cache()
+    assert_rel_close(outs[True].cpu(), want(x, w, sizes, b), torch.bfloat16, what=f"mixed-m {layout} {tma}")
+    assert_rel_close(outs[True].cpu(), outs[False].cpu(), torch.bfloat16, what="mixed vs uniform")
+    if DEVICE != "cpu":
+        assert torch.equal(outs[True], outs[False])
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_int64_addressing():

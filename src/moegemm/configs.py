@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 from pathlib import Path
 
 
@@ -101,6 +102,12 @@ class QuantizeConfig:
     col_rows: int = 64
     sweep_stages: int = 1
 
+
+# Mixed tile heights in the m-grouped kernel (m_grouped.mixed_m_fits): a group's last row tile runs half as
+# high where at most half its rows are left, so the MMA work on rows past the group's end drops by half there
+# (perf-notes 27). Applies to every config whose half height the tensor cores take; MOEGEMM_MIXED_M=0 turns
+# it off. Read when a launch is first described (clear the front end's launch cache after changing it).
+MIXED_M = os.environ.get("MOEGEMM_MIXED_M", "1") != "0"
 
 M, K = MGroupedConfig, KGroupedConfig
 TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {

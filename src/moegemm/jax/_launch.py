@@ -158,6 +158,7 @@ def m_grouped_mm_call(
         max_stride=max(K, 1, stride_wk, stride_wn, N),
         w_k_contiguous=stride_wk == 1 and stride_wn != 1,
         g_total=g_total,
+        mixed_m=configs.MIXED_M,
     )
     sizes = dict(
         M=M,

@@ -29,6 +29,119 @@ from moegemm.kernels.schedule import locate_row_tile, m_grouped_tile_space, sm90
 
 
 @triton.jit
+def _m_tile(
+    x_ptr,
+    w_ptr,
+    x_desc,  # TMA_LOAD: a device descriptor over x [M, K], block [BM, BLOCK_K]; else unused
+    w_desc,  # TMA_LOAD: a device descriptor over w's 2-D view; else unused
+    bias_ptr,
+    out_desc,  # TMA_STORE: a host descriptor over out [M, N], block [BM, BLOCK_N]; else unused
+    out_ptr,
+    g,
+    row0,
+    row_end,
+    col0,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    G: tl.constexpr,
+    stride_xm,
+    stride_xk,
+    stride_wg,
+    stride_wk,
+    stride_wn,
+    stride_om,
+    stride_on,
+    stride_bg,
+    stride_bn,
+    BM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    W_K_CONTIGUOUS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WIDE_OFFSETS: tl.constexpr,
+    TMA_STORE: tl.constexpr,
+    TMA_LOAD: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One BM x BLOCK_N output tile: rows [row0, min(row0 + BM, row_end)) of group g (g == G: the
+    unowned rows, stored as zeros), columns [col0, col0 + BLOCK_N)."""
+    offs_m = tl.arange(0, BM)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    if WIDE_OFFSETS:  # a stride times a block size may not fit in int32
+        offs_m = offs_m.to(tl.int64)
+        offs_n = offs_n.to(tl.int64)
+        offs_k = offs_k.to(tl.int64)
+    row_mask = offs_m < row_end - row0  # row0 is int64
+    col_mask = offs_n < N - col0
+    # 64-bit scalar tile origins; per-element offsets stay 32-bit (WIDE_OFFSETS when they can't),
+    # which keeps the pointer tensors out of the register budget of the accumulator.
+    out_base = out_ptr + row0 * stride_om + col0.to(tl.int64) * stride_on
+    acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+    # The unowned slots (g >= G) run no reduction steps: their rows are stored as zeros.
+    k_steps = tl.where(g < G, tl.cdiv(K, BLOCK_K), 0)
+    x_base = x_ptr + row0 * stride_xm
+    w_base = w_ptr + g.to(tl.int64) * stride_wg + col0.to(tl.int64) * stride_wn
+    x_offs = offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    if W_K_CONTIGUOUS:  # nn.Linear layout: load [BLOCK_N, BLOCK_K] rows as stored, transpose in smem
+        w_offs = offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+    else:
+        w_offs = offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+    # The bases stay loop-invariant and the step enters the offsets: a loop-carried scalar pointer
+    # loses its alignment facts, which stops Triton from pipelining the loads with cp.async.
+    for k in range(0, k_steps):
+        if TMA_LOAD:
+            a = x_desc.load([row0.to(tl.int32), k * BLOCK_K])
+            if W_K_CONTIGUOUS:
+                b = tl.trans(w_desc.load([(g * N + col0).to(tl.int32), k * BLOCK_K]))
+            else:
+                b = w_desc.load([(g * K + k * BLOCK_K).to(tl.int32), col0.to(tl.int32)])
+        else:
+            k_mask = offs_k < K - k * BLOCK_K
+            x_ptrs = x_base + (x_offs + k * BLOCK_K * stride_xk)
+            w_ptrs = w_base + (w_offs + k * BLOCK_K * stride_wk)
+            if EVEN_K:
+                a = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
+            else:
+                a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            if W_K_CONTIGUOUS:
+                if EVEN_K:
+                    b = tl.trans(tl.load(w_ptrs, mask=col_mask[:, None], other=0.0))
+                else:
+                    b = tl.trans(tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0))
+            elif EVEN_K:
+                b = tl.load(w_ptrs, mask=col_mask[None, :], other=0.0)
+            else:
+                b = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        # The unowned slots (g >= G) read no bias and its rows stay 0: its column bound folds to 0. A
+        # scalar condition and-ed into a block mask is rejected by triton 3.9's interpreter
+        # ("mask has unsupported dtype"), so the condition goes into the bound instead.
+        bias_cols = tl.where(g < G, N - col0, 0)
+        bias_base = bias_ptr + g.to(tl.int64) * stride_bg + col0.to(tl.int64) * stride_bn
+        bias = tl.load(bias_base + offs_n * stride_bn, mask=offs_n < bias_cols, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    out_offs = offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    if TMA_STORE and row_end - row0 >= BM:
+        # Every row of the tile is owned: one bulk copy from shared memory stores it (clipped at N)
+        # under the next tile's main loop. A group's last, partial tile must not touch the next
+        # group's rows, which the descriptor cannot clip, so it takes the masked store.
+        out_desc.store([row0.to(tl.int32), col0.to(tl.int32)], acc.to(out_desc.dtype))
+    else:
+        tl.store(
+            out_base + out_offs,
+            acc.to(out_ptr.dtype.element_ty),
+            mask=row_mask[:, None] & col_mask[None, :],
+        )
+
+
+@triton.jit
 def m_grouped_mm_kernel(
     # Pointers first, the output last among them; sizes and strides follow so that jax-triton can
     # pass them all as constexprs (its runtime int scalars carry no divisibility facts, which would
@@ -70,6 +183,7 @@ def m_grouped_mm_kernel(
     WIDE_OFFSETS: tl.constexpr,
     TMA_STORE: tl.constexpr,  # store tiles whose rows are all owned through out_desc (bulk async copies)
     TMA_LOAD: tl.constexpr,  # load x and w through TMA descriptors the kernel makes once per program
+    MIXED_M: tl.constexpr,  # a tile with at most BLOCK_M // 2 rows left in its group runs BLOCK_M // 2 high
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot is wrong on bf16 operands
     PRECISION: tl.constexpr,
 ):
@@ -84,14 +198,12 @@ def m_grouped_mm_kernel(
         group_sizes_ptr, group_offset_ptr, G, G_TOTAL, M, n_tiles, NUM_PROGRAMS, BLOCK_M, BLOCK_G,
         BLOCK_G_TOTAL, HAS_GROUP_OFFSET,
     )  # fmt: skip
-
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    if WIDE_OFFSETS:  # a stride times a block size may not fit in int32
-        offs_m = offs_m.to(tl.int64)
-        offs_n = offs_n.to(tl.int64)
-        offs_k = offs_k.to(tl.int64)
+    HALF_M: tl.constexpr = BLOCK_M // 2
+    zero_offs_m = tl.arange(0, BLOCK_M)  # the zero tiles' (HAS_GROUP_OFFSET)
+    zero_offs_n = tl.arange(0, BLOCK_N)
+    if WIDE_OFFSETS:
+        zero_offs_m = zero_offs_m.to(tl.int64)
+        zero_offs_n = zero_offs_n.to(tl.int64)
     if TMA_LOAD:
         # Descriptors over x [M, K] and w's 2-D view (the launcher checked that w's groups sit back to
         # back): [G * N, K] K-contiguous, [G * K, N] N-contiguous with K % BLOCK_K == 0, so no step reads
@@ -99,91 +211,48 @@ def m_grouped_mm_kernel(
         # rows past a group's end are the next group's, loaded but never stored (partial tiles take the
         # masked store). Made once per program, unlike the wgrad's per-group ones (k_grouped).
         x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [stride_xm, 1], [BLOCK_M, BLOCK_K])
+        x_desc_half = tl.make_tensor_descriptor(x_ptr, [M, K], [stride_xm, 1], [HALF_M, BLOCK_K])
         if W_K_CONTIGUOUS:
             w_desc = tl.make_tensor_descriptor(w_ptr, [G * N, K], [stride_wn, 1], [BLOCK_N, BLOCK_K])
         else:
             w_desc = tl.make_tensor_descriptor(w_ptr, [G * K, N], [stride_wk, 1], [BLOCK_K, BLOCK_N])
+    else:  # placeholders: _m_tile reads no descriptor without TMA_LOAD
+        x_desc = x_ptr
+        x_desc_half = x_ptr
+        w_desc = w_ptr
     for tile in range(pid, total_tiles, NUM_PROGRAMS):
         g, m_tile, n_tile, row0, row_end, _ = locate_row_tile(
             tile, offs, starts, ends, m_tiles, tile_ends, n_tiles, BLOCK_M, GROUP_M
         )
-        row_mask = offs_m < row_end - row0  # row0 is int64
         col0 = n_tile * BLOCK_N
-        col_mask = offs_n < N - col0
-        # 64-bit scalar tile origins; per-element offsets stay 32-bit (WIDE_OFFSETS when they can't),
-        # which keeps the pointer tensors out of the register budget of the accumulator.
-        out_base = out_ptr + row0 * stride_om + col0.to(tl.int64) * stride_on
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # The unowned slots (g >= G) run no reduction steps: their rows are stored as zeros.
-        k_steps = tl.where(g < G, tl.cdiv(K, BLOCK_K), 0)
-        x_base = x_ptr + row0 * stride_xm
-        w_base = w_ptr + g.to(tl.int64) * stride_wg + col0.to(tl.int64) * stride_wn
-        x_offs = offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
-        if W_K_CONTIGUOUS:  # nn.Linear layout: load [BLOCK_N, BLOCK_K] rows as stored, transpose in smem
-            w_offs = offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+        if MIXED_M and row_end - row0 <= HALF_M:
+            # A group's last row tile with at most half its rows left (perf-notes 27): the half-high tile
+            # does half the MMA work of the full one, most of which would have been on rows it never
+            # stores. It takes the masked store (out_desc's block is BLOCK_M high).
+            _m_tile(
+                x_ptr, w_ptr, x_desc_half, w_desc, bias_ptr, out_desc, out_ptr, g, row0, row_end, col0, N, K,
+                G, stride_xm, stride_xk, stride_wg, stride_wk, stride_wn, stride_om, stride_on, stride_bg,
+                stride_bn, HALF_M, BLOCK_N, BLOCK_K, EVEN_K, W_K_CONTIGUOUS, HAS_BIAS, WIDE_OFFSETS, False,
+                TMA_LOAD, UPCAST, PRECISION,
+            )  # fmt: skip
         else:
-            w_offs = offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
-        # The bases stay loop-invariant and the step enters the offsets: a loop-carried scalar pointer
-        # loses its alignment facts, which stops Triton from pipelining the loads with cp.async.
-        for k in range(0, k_steps):
-            if TMA_LOAD:
-                a = x_desc.load([row0.to(tl.int32), k * BLOCK_K])
-                if W_K_CONTIGUOUS:
-                    b = tl.trans(w_desc.load([(g * N + col0).to(tl.int32), k * BLOCK_K]))
-                else:
-                    b = w_desc.load([(g * K + k * BLOCK_K).to(tl.int32), col0.to(tl.int32)])
-            else:
-                k_mask = offs_k < K - k * BLOCK_K
-                x_ptrs = x_base + (x_offs + k * BLOCK_K * stride_xk)
-                w_ptrs = w_base + (w_offs + k * BLOCK_K * stride_wk)
-                if EVEN_K:
-                    a = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
-                else:
-                    a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                if W_K_CONTIGUOUS:
-                    if EVEN_K:
-                        b = tl.trans(tl.load(w_ptrs, mask=col_mask[:, None], other=0.0))
-                    else:
-                        b = tl.trans(tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0))
-                elif EVEN_K:
-                    b = tl.load(w_ptrs, mask=col_mask[None, :], other=0.0)
-                else:
-                    b = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        if HAS_BIAS:
-            # The unowned slots (g >= G) read no bias and its rows stay 0: its column bound folds to 0. A
-            # scalar condition and-ed into a block mask is rejected by triton 3.9's interpreter
-            # ("mask has unsupported dtype"), so the condition goes into the bound instead.
-            bias_cols = tl.where(g < G, N - col0, 0)
-            bias_base = bias_ptr + g.to(tl.int64) * stride_bg + col0.to(tl.int64) * stride_bn
-            bias = tl.load(bias_base + offs_n * stride_bn, mask=offs_n < bias_cols, other=0.0)
-            acc += bias.to(tl.float32)[None, :]
-        out_offs = offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-        if TMA_STORE and row_end - row0 >= BLOCK_M:
-            # Every row of the tile is owned: one bulk copy from shared memory stores it (clipped at N)
-            # under the next tile's main loop. A group's last, partial tile must not touch the next
-            # group's rows, which the descriptor cannot clip, so it takes the masked store.
-            out_desc.store([row0.to(tl.int32), col0.to(tl.int32)], acc.to(out_desc.dtype))
-        else:
-            tl.store(
-                out_base + out_offs,
-                acc.to(out_ptr.dtype.element_ty),
-                mask=row_mask[:, None] & col_mask[None, :],
-            )
+            _m_tile(
+                x_ptr, w_ptr, x_desc, w_desc, bias_ptr, out_desc, out_ptr, g, row0, row_end, col0, N, K, G,
+                stride_xm, stride_xk, stride_wg, stride_wk, stride_wn, stride_om, stride_on, stride_bg,
+                stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_K_CONTIGUOUS, HAS_BIAS, WIDE_OFFSETS,
+                TMA_STORE, TMA_LOAD, UPCAST, PRECISION,
+            )  # fmt: skip
         if HAS_GROUP_OFFSET:
             zero_begin = tile * zero_per_tile
             store_zero_tiles(
                 out_ptr, zero_begin, tl.minimum(zero_begin + zero_per_tile, zero_tiles), first_row, local_end,
-                head_tiles, M, N, n_tiles, stride_om, stride_on, offs_m, offs_n, BLOCK_M, BLOCK_N,
+                head_tiles, M, N, n_tiles, stride_om, stride_on, zero_offs_m, zero_offs_n, BLOCK_M, BLOCK_N,
             )  # fmt: skip
     if HAS_GROUP_OFFSET:  # zero tiles no GEMM tile took (all of them when no local group has rows)
         for z in range(total_tiles * zero_per_tile + pid, zero_tiles, NUM_PROGRAMS):
             store_zero_tiles(
                 out_ptr, z, z + 1, first_row, local_end, head_tiles, M, N, n_tiles, stride_om, stride_on,
-                offs_m, offs_n, BLOCK_M, BLOCK_N,
+                zero_offs_m, zero_offs_n, BLOCK_M, BLOCK_N,
             )  # fmt: skip
 
 
@@ -205,6 +274,12 @@ def tma_load_fits(K: int, block_k: int, w_k_contiguous: bool) -> bool:
     rows are N, masked at the store), N-contiguous only without a K tail (the rows are K). The one copy of
     this rule: the warp-specialized kernel's TMA loader (m_grouped_ws.supported_tma) reads the same view."""
     return w_k_contiguous or K % block_k == 0
+
+
+def mixed_m_fits(block_m: int, interpret: bool) -> bool:
+    """Whether a BLOCK_M tile has a half-high twin (MIXED_M): on the GPU 64 rows or more, the wgmma
+    height a warpgroup takes; the interpreter takes any (its configs are 32 high)."""
+    return block_m >= (32 if interpret else 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +306,7 @@ class MGroupedLaunch:
         g_total: int | None = None,
         tma_store: bool = False,
         tma_load: bool = False,
+        mixed_m: bool = False,
     ) -> MGroupedLaunch:
         """max_stride: the largest row/column stride of x, w[g] and out (default: contiguous, max(K, N)).
         Element offsets inside one tile or one expert's K range are int32 unless they could overflow.
@@ -243,6 +319,8 @@ class MGroupedLaunch:
         tma_load: the launch can read x and w through descriptors the kernel makes (the launcher checked
         K > 0, unit inner strides, 16-byte row strides and bases, w's groups back to back, int32 coordinates);
         used for 2-byte inputs where an N-contiguous w has K % BLOCK_K == 0 (``tma_load_fits``).
+        mixed_m: a group's last row tile runs BLOCK_M // 2 high where at most that many rows are left
+        (``mixed_m_fits``: half-high tiles that the tensor cores take, 64 rows on sm90).
         """
         bm, bn = config.block_m, config.block_n
         max_stride = max(K, N) if max_stride is None else max_stride
@@ -266,6 +344,7 @@ class MGroupedLaunch:
             WIDE_OFFSETS=2 * max(bm, bn, K + config.block_k) * max_stride >= 2**31,
             TMA_STORE=tma_store and tma_store_fits(config, 4 if fp32_inputs else 2),
             TMA_LOAD=tma_load and not fp32_inputs and tma_load_fits(K, config.block_k, w_k_contiguous),
+            MIXED_M=mixed_m and mixed_m_fits(bm, interpret),
             UPCAST=interpret,
             PRECISION="ieee" if fp32_inputs or interpret else "tf32",
             num_warps=config.num_warps,

@@ -102,13 +102,19 @@ def _k_grouped_fp8_ws():
     return k_grouped_fp8_ws.k_grouped_mm_fp8_ws_kernel, launch.meta, pointers
 
 
-def _m_grouped(config=None, tma_store: bool = False, tma_load: bool = False, w_k_contiguous: bool = True):
+def _m_grouped(
+    config=None,
+    tma_store: bool = False,
+    tma_load: bool = False,
+    w_k_contiguous: bool = True,
+    mixed_m: bool = True,
+):
     """The BF16 forward (the nn.Linear weight read K-contiguous) or dgrad (N-contiguous), with bias (the
-    default config unless given)."""
+    default config unless given), with half-high tail tiles where the config has them (``mixed_m``)."""
     config = config or configs.candidates("m_grouped", "sm90")[0]
     launch = m_grouped.MGroupedLaunch.make(
         M, N, K, G, config=config, num_programs_cap=132, fp32_inputs=False, interpret=False,
-        w_k_contiguous=w_k_contiguous, has_bias=True, tma_store=tma_store, tma_load=tma_load,
+        w_k_contiguous=w_k_contiguous, has_bias=True, tma_store=tma_store, tma_load=tma_load, mixed_m=mixed_m,
     )  # fmt: skip
     assert launch.meta["TMA_STORE"] == tma_store, config
     assert launch.meta["TMA_LOAD"] == tma_load, config
@@ -187,6 +193,7 @@ _TMA_STORE_CANDIDATES = {
 
 KERNELS = {
     "m_grouped": _m_grouped,
+    "m_grouped-uniform-m": lambda: _m_grouped(mixed_m=False),
     "k_grouped": _k_grouped,
     "m_grouped-tma-load-dgrad": lambda: _m_grouped(tma_load=True, w_k_contiguous=False),
     "m_grouped_tma_store-tma-load-dgrad": lambda: _m_grouped(

@@ -111,6 +111,7 @@ def _m_launch(
         has_bias=has_bias,
         tma_store=tma_store and target in ("sm90", "interpret"),
         tma_load=tma_load and target in ("sm90", "interpret"),
+        mixed_m=configs.MIXED_M,
     )
 
 
