@@ -82,6 +82,7 @@ VARIANTS = {  # name: (TMA loads, config override: None for the launcher's pick,
     # Mixed tile heights (configs.MIXED_M, perf-notes 27) off: every row tile BLOCK_M high.
     "cp-uniform": (False, None, False),
     "tma-uniform": (True, None, False),
+    "tma-uniform-aa": (True, None, False),  # the same launch again: the A/A control of the paired clock
 }
 
 
