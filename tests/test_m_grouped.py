@@ -287,7 +287,7 @@ def test_mixed_m_half_tiles_match_full_tiles(monkeypatch, layout, tma):
     )
     calls = record_launches(monkeypatch, "m_grouped")
     block_m = default.block_m
-    assert m_grouped.mixed_m_fits(block_m, target == "interpret"), default
+    assert m_grouped.mixed_m_fits(block_m, 80, target == "interpret"), default
     half = block_m // 2
     sizes = [block_m + 1, 0, half - 1, block_m + half, 2 * block_m + half + 1, block_m - 1, 3 * block_m]
     M, K, N = sum(sizes) + 5, 80, 72
