@@ -400,3 +400,16 @@ class TestKGroupedTritonRegisterStore(KGroupedTest):
 
 class TestKGroupedReference(KGroupedTest):
     BACKEND = "reference"
+
+
+def test_launch_refuses_2_31_rows():
+    """The kernel counts a group's rows in int32: a launch description for 2**31 rows fails with the count,
+    one for 2**31 - 1 rows is made (no tensors needed)."""
+    from moegemm import configs
+    from moegemm.kernels.k_grouped import KGroupedLaunch
+
+    config = configs.candidates("k_grouped", "sm90")[0]
+    kw = dict(config=config, num_programs_cap=132, fp32_inputs=False, accumulate=False, interpret=False)
+    assert KGroupedLaunch.make(2**31 - 1, 64, 64, 4, **kw).meta["BLOCK_R"] == config.block_r
+    with pytest.raises(ValueError, match="M = 2147483648 rows"):
+        KGroupedLaunch.make(2**31, 64, 64, 4, **kw)
