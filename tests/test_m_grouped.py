@@ -287,10 +287,10 @@ def test_mixed_m_half_tiles_match_full_tiles(monkeypatch, layout, tma):
     )
     calls = record_launches(monkeypatch, "m_grouped")
     block_m = default.block_m
-    assert m_grouped.mixed_m_fits(block_m, 80, target == "interpret"), default
+    assert m_grouped.mixed_m_fits(block_m, 96, 80, target == "interpret"), default
     half = block_m // 2
     sizes = [block_m + 1, 0, half - 1, block_m + half, 2 * block_m + half + 1, block_m - 1, 3 * block_m]
-    M, K, N = sum(sizes) + 5, 80, 72
+    M, K, N = sum(sizes) + 5, 96, 80  # 16-element rows: mixed_m_fits
     x, w = make_inputs(M, K, N, len(sizes), torch.bfloat16, layout, seed=3)
     b = (torch.randn(len(sizes), N) + 3).to(dtype=torch.bfloat16, device=DEVICE)
     gs = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
@@ -305,6 +305,47 @@ def test_mixed_m_half_tiles_match_full_tiles(monkeypatch, layout, tma):
     assert_rel_close(outs[True].cpu(), outs[False].cpu(), torch.bfloat16, what="mixed vs uniform")
     if DEVICE != "cpu":
         assert torch.equal(outs[True], outs[False])
+
+
+def test_mixed_m_rule():
+    """Where the GPU runs half-high tail tiles: 128-row configs, K <= MIXED_M_MAX_K, K and N multiples of 16
+    (odd rows miscomputed on the H100, perf-notes 27); the interpreter runs them on any tile."""
+    from moegemm import configs
+    from moegemm.kernels import m_grouped
+
+    big, small = configs.MGroupedConfig(128, 256, 64), configs.MGroupedConfig(64, 256, 64)
+    limit = m_grouped.MIXED_M_MAX_K
+
+    def mixed(config, K, N, interpret=False, allowed=True):
+        launch = m_grouped.MGroupedLaunch.make(
+            4096, N, K, 8, config=config, num_programs_cap=132, fp32_inputs=False, interpret=interpret,
+            mixed_m=allowed,
+        )  # fmt: skip
+        return launch.meta["MIXED_M"]
+
+    assert mixed(big, 2048, 1408) and mixed(big, limit // 16 * 16, 16)
+    assert not mixed(big, limit + 1, 1408) and not mixed(big, 4096, 1408)
+    assert not mixed(big, 2048, 1400) and not mixed(big, 31, 17) and not mixed(small, 2048, 1408)
+    assert not mixed(big, 2048, 1408, allowed=False)
+    assert mixed(configs.MGroupedConfig(32, 32, 32), 31, 17, interpret=True)
+
+
+def test_mixed_m_needs_aligned_rows(monkeypatch):
+    """The PyTorch launcher allows half-high tiles only where x's, w's and out's rows are 16-element aligned:
+    an x view with 40-element rows (K = 32) launches without them, the same x contiguous with them."""
+    from moegemm.torch import _launch
+
+    monkeypatch.setattr(_launch, "TMA_LOAD", False)
+    calls = record_launches(monkeypatch, "m_grouped")
+    _launch.clear_launch_cache()
+    wide = torch.randn(64, 40, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(2, 16, 32, device=DEVICE, dtype=torch.bfloat16)
+    gs = torch.tensor([30, 34], device=DEVICE)
+    for x, want_mixed in ((wide[:, :32], False), (wide[:, :32].contiguous(), True)):
+        out = m_grouped_mm(x, w.mT, gs)
+        assert_rel_close(out.cpu(), want(x, w.mT, [30, 34]), torch.bfloat16, what=f"x stride {x.stride()}")
+        assert _launch._m_launch(*calls[-1][1]).meta["MIXED_M"] == want_mixed, x.stride()
+    _launch.clear_launch_cache()
 
 
 @pytest.mark.gpu

@@ -283,13 +283,19 @@ def tma_load_fits(K: int, block_k: int, w_k_contiguous: bool) -> bool:
 MIXED_M_MAX_K = 4095
 
 
-def mixed_m_fits(block_m: int, K: int, interpret: bool) -> bool:
+def mixed_m_fits(block_m: int, K: int, N: int, interpret: bool) -> bool:
     """Whether a launch runs half-high tail tiles (MIXED_M): on the GPU a 128-row tile (its half, 64
-    rows, is the wgmma height of a warpgroup) and K <= MIXED_M_MAX_K; the interpreter any tile (its configs
-    are 32 high) and any K, so that CI runs both paths."""
+    rows, is the wgmma height of a warpgroup), K <= MIXED_M_MAX_K, and K and N multiples of 16 (the
+    caller also checks that x's, w's and out's rows are 16-element aligned); the interpreter any tile (its
+    configs are 32 high), so that CI runs both paths.
+
+    Why the alignment: with rows Triton cannot vectorize (K = 31, N = 17, bias, K-contiguous w) the H100
+    computed wrong half-high tiles (perf-notes 27; the interpreter was right, and so was every 16-aligned
+    shape the GPU tests run). Such rows also keep loads out of the software pipeline, so the half-high tile
+    would gain nothing there."""
     if interpret:
         return block_m >= 32
-    return block_m >= 128 and K <= MIXED_M_MAX_K
+    return block_m >= 128 and K <= MIXED_M_MAX_K and K % 16 == 0 and N % 16 == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,8 +335,9 @@ class MGroupedLaunch:
         tma_load: the launch can read x and w through descriptors the kernel makes (the launcher checked
         K > 0, unit inner strides, 16-byte row strides and bases, w's groups back to back, int32 coordinates);
         used for 2-byte inputs where an N-contiguous w has K % BLOCK_K == 0 (``tma_load_fits``).
-        mixed_m: a group's last row tile runs BLOCK_M // 2 high where at most that many rows are left, on
-        launches where that measured faster (``mixed_m_fits``).
+        mixed_m: a group's last row tile may run BLOCK_M // 2 high where at most that many rows are left (the
+        caller checked that x's, w's and out's rows are 16-element aligned); used where that measured faster
+        (``mixed_m_fits``).
         """
         bm, bn = config.block_m, config.block_n
         max_stride = max(K, N) if max_stride is None else max_stride
@@ -354,7 +361,7 @@ class MGroupedLaunch:
             WIDE_OFFSETS=2 * max(bm, bn, K + config.block_k) * max_stride >= 2**31,
             TMA_STORE=tma_store and tma_store_fits(config, 4 if fp32_inputs else 2),
             TMA_LOAD=tma_load and not fp32_inputs and tma_load_fits(K, config.block_k, w_k_contiguous),
-            MIXED_M=mixed_m and mixed_m_fits(bm, K, interpret),
+            MIXED_M=mixed_m and mixed_m_fits(bm, K, N, interpret),
             UPCAST=interpret,
             PRECISION="ieee" if fp32_inputs or interpret else "tf32",
             num_warps=config.num_warps,

@@ -107,10 +107,11 @@ def _m_grouped(
     tma_store: bool = False,
     tma_load: bool = False,
     w_k_contiguous: bool = True,
-    mixed_m: bool = True,
+    mixed_m: bool = False,
+    K: int = K,
 ):
     """The BF16 forward (the nn.Linear weight read K-contiguous) or dgrad (N-contiguous), with bias (the
-    default config unless given), with half-high tail tiles where the config has them (``mixed_m``)."""
+    default config unless given); ``mixed_m``: with half-high tail tiles (at a K that has them)."""
     config = config or configs.candidates("m_grouped", "sm90")[0]
     launch = m_grouped.MGroupedLaunch.make(
         M, N, K, G, config=config, num_programs_cap=132, fp32_inputs=False, interpret=False,
@@ -118,6 +119,7 @@ def _m_grouped(
     )  # fmt: skip
     assert launch.meta["TMA_STORE"] == tma_store, config
     assert launch.meta["TMA_LOAD"] == tma_load, config
+    assert launch.meta["MIXED_M"] == mixed_m, (config, K)
     pointers = {
         "x_ptr": "*bf16", "w_ptr": "*bf16", "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32",
         "bias_ptr": "*bf16", "out_desc": "*bf16", "out_ptr": "*bf16",
@@ -193,7 +195,12 @@ _TMA_STORE_CANDIDATES = {
 
 KERNELS = {
     "m_grouped": _m_grouped,
-    "m_grouped-uniform-m": lambda: _m_grouped(mixed_m=False),
+    # Half-high tail tiles (a K they run at): both loops of the kernel, cp.async, TMA loads and the TMA store.
+    "m_grouped-mixed-m": lambda: _m_grouped(mixed_m=True, K=2048),
+    "m_grouped-mixed-m-dgrad": lambda: _m_grouped(mixed_m=True, K=2048, w_k_contiguous=False),
+    "m_grouped_tma_store-tma-load-mixed-m": lambda: _m_grouped(
+        tma_store=True, tma_load=True, mixed_m=True, K=2048
+    ),
     "k_grouped": _k_grouped,
     "m_grouped-tma-load-dgrad": lambda: _m_grouped(tma_load=True, w_k_contiguous=False),
     "m_grouped_tma_store-tma-load-dgrad": lambda: _m_grouped(

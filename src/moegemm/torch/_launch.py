@@ -90,9 +90,10 @@ def _pick_config(op: str, target: str, device_name: str, programs: int, dtype, t
 # memoized.
 @functools.lru_cache(maxsize=4096)
 def _m_launch(
-    M, N, K, G, dtype, device, max_stride, w_k_contiguous, has_bias, tma_store, tma_load
+    M, N, K, G, dtype, device, max_stride, w_k_contiguous, has_bias, tma_store, tma_load, rows_aligned=False
 ) -> MGroupedLaunch:  # fmt: skip
-    """tma_store: out can take a TMA descriptor; tma_load: x and w can (as in _k_launch)."""
+    """tma_store: out can take a TMA descriptor; tma_load: x and w can (as in _k_launch); rows_aligned: x's,
+    w's and out's rows are 16-element aligned with unit inner strides (half-high tiles may run)."""
     target, device_name, programs = _target(device)
     # The m-grouped TMA-only candidates were measured on forward launches (K-contiguous w) with TMA loads.
     tma = tma_load and w_k_contiguous
@@ -111,7 +112,7 @@ def _m_launch(
         has_bias=has_bias,
         tma_store=tma_store and target in ("sm90", "interpret"),
         tma_load=tma_load and target in ("sm90", "interpret"),
-        mixed_m=configs.MIXED_M,
+        mixed_m=configs.MIXED_M and rows_aligned,
     )
 
 
@@ -385,6 +386,13 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
         and x.data_ptr() % 16 == 0
         and w.data_ptr() % 16 == 0
     )
+    # Half-high tail tiles only where every row is 16-element aligned (m_grouped.mixed_m_fits says why).
+    rows_aligned = (
+        sx[1] == 1
+        and so[1] == 1
+        and (w_k_contiguous or sw[2] == 1)
+        and (sx[0] | w_row_stride | so[0]) % 16 == 0
+    )
     spec = (
         M,
         N,
@@ -397,6 +405,7 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
         bias is not None,
         tma_store,
         tma_load,
+        rows_aligned,
     )
     b = x if bias is None else bias
     ints = (M, N, K, G, G, *sx, *sw, *so, *sb)
