@@ -189,7 +189,9 @@ def k_grouped_mm_kernel(
         mine = tl.maximum(first_tile + tiles_per_group - pid + NUM_PROGRAMS - 1, 0) // NUM_PROGRAMS
         mine -= tl.maximum(first_tile - pid + NUM_PROGRAMS - 1, 0) // NUM_PROGRAMS
         steps_of = tl.maximum(tl.cdiv(ends - starts, BLOCK_R), 1)
-        total = tl.sum(tl.where(offs < G, mine * steps_of, 0), 0)
+        # int32 (KGroupedLaunch.make bounds a program's steps below 2**31): a 64-bit count costs a step 3-5
+        # instructions of compares (sm_90a SASS; perf-notes 27).
+        total = tl.sum(tl.where(offs < G, mine * steps_of, 0), 0).to(tl.int32)
         tile = pid - NUM_PROGRAMS
         step = -1
         num_steps = 0
@@ -439,6 +441,11 @@ class KGroupedLaunch:
         tiles = G * k_tiles * (triton.cdiv(N, config.block_n) + (1 if a_colsum else 0))
         # num_programs_cap is one wave at one program per SM; a config may ask for several per SM.
         num_programs = max(1, min(tiles, num_programs_cap * config.ctas_per_sm))
+        # The flat loop counts a program's steps in int32: at most cdiv(tiles of a group, programs) tiles of
+        # each group, whose steps add up to cdiv(M, BLOCK_R) + G over the groups.
+        tiles_per_group = k_tiles * triton.cdiv(N, config.block_n)
+        if flat and triton.cdiv(tiles_per_group, num_programs) * (triton.cdiv(M, config.block_r) + G) >= 2**31:
+            raise ValueError(f"k_grouped: M={M} N={N} K={K} G={G} takes 2**31 or more steps per program")
         meta = dict(
             NUM_PROGRAMS=num_programs,
             BLOCK_K=config.block_k,
