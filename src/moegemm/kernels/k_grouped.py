@@ -444,7 +444,10 @@ class KGroupedLaunch:
         # The flat loop counts a program's steps in int32: at most cdiv(tiles of a group, programs) tiles of
         # each group, whose steps add up to cdiv(M, BLOCK_R) + G over the groups.
         tiles_per_group = k_tiles * triton.cdiv(N, config.block_n)
-        if flat and triton.cdiv(tiles_per_group, num_programs) * (triton.cdiv(M, config.block_r) + G) >= 2**31:
+        if (
+            flat
+            and triton.cdiv(tiles_per_group, num_programs) * (triton.cdiv(M, config.block_r) + G) >= 2**31
+        ):
             raise ValueError(f"k_grouped: M={M} N={N} K={K} G={G} takes 2**31 or more steps per program")
         meta = dict(
             NUM_PROGRAMS=num_programs,
