@@ -300,6 +300,109 @@ class TestKGroupedTritonFlatTmaLoad(KGroupedTest):
         self.check(50, 40, 36, [20, 30], seed=4)
 
 
+class TestKGroupedWs(KGroupedTest):
+    """The warp-specialized Gluon wgrad (TMA loader, TMA-store epilogue; sm90, PyTorch) routed for every problem
+    it takes, whatever the rows per group; a spy checks which launches took it: 2-byte row-major a and b, out in
+    their dtype, K a multiple of 64, N and the row strides multiples of 8, no accumulation. The base class's
+    cases mostly do not qualify (they check the fallback); the cases below do."""
+
+    BACKEND = "triton"
+    OUT_DTYPE = torch.bfloat16
+    pytestmark = pytest.mark.gpu
+
+    @pytest.fixture(autouse=True)
+    def spy(self, monkeypatch):
+        from moegemm import configs
+        from moegemm.torch import _launch
+
+        for flag in ("TMA_LOAD", "TMA_STORE", "WS_WGRAD"):
+            monkeypatch.setattr(_launch, flag, True)
+        monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", 0)  # the tests' problems are tiny
+        monkeypatch.setattr(_launch, "TMA_STORE_MIN_FLOPS", 0)
+        config = configs.candidates("k_grouped_ws", "sm90")[0]
+        monkeypatch.setattr(configs, "pick_k_ws_config", lambda **kw: config)
+        _launch.clear_launch_cache()
+        self.ws_calls = []
+        inner = _launch.K_GROUPED_WS.launch
+        monkeypatch.setattr(
+            _launch.K_GROUPED_WS, "launch", lambda *a: (self.ws_calls.append(a[0]), inner(*a))
+        )
+        # Where the kernel can run at all (an sm90 GPU with Gluon); elsewhere (the interpreter) every launch
+        # must take the Triton kernel and the class checks that fallback.
+        self.ws_here = DEVICE != "cpu" and _launch._ws_device(torch.device(DEVICE))
+        yield
+        _launch.clear_launch_cache()
+
+    def check(self, M, K, N, sizes, dtype=torch.bfloat16, out_dtype=None, transposed=False, seed=0):
+        before = len(self.ws_calls)
+        out = super().check(M, K, N, sizes, dtype, out_dtype, transposed, seed)
+        want = (
+            self.ws_here
+            and 0 < M
+            and dtype.itemsize == 2
+            and out.dtype == dtype
+            and not transposed
+            and K % 64 == 0
+            and N % 8 == 0
+            and len(sizes) > 0
+        )
+        assert (len(self.ws_calls) > before) == want, (M, K, N, sizes, dtype, out.dtype, transposed)
+        return out
+
+    @pytest.mark.parametrize(
+        "sizes",
+        [[0, 1, 63, 65, 0, 300, 571, 0], [0, 777, 0], [64, 128, 192], [1, 1, 1], [0, 0, 0, 0], [129, 0]],
+        ids=["empty-and-tails", "one-hot", "whole-steps", "one-row-groups", "all-empty", "empty-last"],
+    )
+    @pytest.mark.parametrize("K,N", [(64, 8), (128, 136), (192, 264), (256, 512)], ids=lambda v: str(v))
+    def test_ws_problems(self, sizes, K, N):
+        """Groups ending inside a 64-row step, empty groups (zeros from one step at the descriptor's extent),
+        one hot expert, a half tile past K (K 64, 192), N tails inside a 256-column tile."""
+        self.check(sum(sizes), K, N, sizes, seed=len(sizes) + K)
+
+    def test_fp16_and_rows_past_the_groups(self):
+        """fp16, and rows after the last group (owned by none) that must not enter any group's sum."""
+        M, K, N = 300, 128, 72
+        a, b = make_inputs(M, K, N, torch.float16, seed=9)
+        gs = torch.tensor([100, 0, 150], device=DEVICE)  # rows 250..299 belong to no group
+        before = len(self.ws_calls)
+        out = k_grouped_mm(a, b, gs, out_dtype=torch.float16, backend=self.BACKEND)
+        assert len(self.ws_calls) == before + self.ws_here
+        assert_rel_close(out.cpu(), reference(a, b, gs), torch.float16, what="fp16, unowned tail rows")
+        assert torch.equal(out[1].cpu(), torch.zeros(K, N, dtype=torch.float16))
+
+    def test_determinism(self):
+        """Bitwise equal results run to run."""
+        a, b = make_inputs(700, 128, 256, torch.bfloat16, seed=5)
+        gs = torch.tensor([300, 0, 400], device=DEVICE)
+        first = k_grouped_mm(a, b, gs, out_dtype=torch.bfloat16, backend=self.BACKEND)
+        for _ in range(3):
+            assert torch.equal(k_grouped_mm(a, b, gs, out_dtype=torch.bfloat16, backend=self.BACKEND), first)
+
+
+def test_k_ws_rule():
+    """The warp-specialized wgrad's routing: groups averaging strictly between K_WS_ROWS rows; a cache entry
+    with ``triton`` keeps the Triton kernel (checked through the cache hook, no GPU needed)."""
+    from moegemm import configs
+    from moegemm.kernels import k_grouped_ws
+
+    low, high = configs.K_WS_ROWS
+    pick = configs.pick_k_ws_config
+    assert pick(G=32, M=32 * 512, N=2880, K=2880) == configs.candidates("k_grouped_ws", "sm90")[0]
+    assert pick(G=32, M=32 * low, N=2880, K=2880) is None and pick(G=32, M=32 * high, N=2880, K=2880) is None
+    assert pick(G=32, M=32 * low + 1, N=2880, K=2880) is not None and pick(G=0, M=100) is None
+    ok = dict(Ka=2880, Nb=2880, itemsize=2, row_strides=(2880, 2880), M=16384)
+    assert k_grouped_ws.supported_problem(**ok) == k_grouped_ws.supported()
+    for bad in (
+        dict(Ka=2848),
+        dict(Nb=2884),
+        dict(itemsize=4),
+        dict(row_strides=(2880, 2884)),
+        dict(M=2**31),
+    ):
+        assert not k_grouped_ws.supported_problem(**{**ok, **bad}), bad
+
+
 class TestKGroupedTritonTmaStore(KGroupedTest):
     """2-byte outputs, stored through a TMA descriptor over out [G, K, N] (the default where out allows
     one; the interpreter runs the same path). A spy fails any test whose bf16 launches did not take it."""

@@ -68,7 +68,8 @@ class WsConfig:
     """The warp-specialized BF16/FP16 m-grouped kernel (``kernels/m_grouped_ws.py``, sm90): a 128 x
     block_n output tile (two consumer warpgroups of 64 rows), block_k reduction steps in a ring of
     num_stages slots, group_m row tiles per swizzle band, consumer_regs registers per consumer thread
-    (setmaxnreg; the loader warpgroup gets the rest of 168 x 12 warps), tma: the loader's copies."""
+    (setmaxnreg; the loader warpgroup gets the rest of 168 x 12 warps), tma: the loader's copies.
+    The k-grouped one (``kernels/k_grouped_ws.py``) reads it the same way, block_k being its row step."""
 
     block_n: int = 256
     block_k: int = 64
@@ -212,6 +213,11 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
         (WsConfig(256, 64, 4), "128 x 256 x 64, TMA, 4-deep ring (192 KB)"),
         (WsConfig(128, 64, 6), "128 x 128: more tiles where G x tiles is short of a wave"),
         (WsConfig(256, 64, 4, 8, 208, False), "cp.async loader: no tensor descriptors"),
+    ],
+    # The warp-specialized wgrad (TMA loader, TMA-store epilogue): 3 slots of 64 rows (144 KB) beside the two
+    # consumers' 32 KB staging tiles; 2 slots ran at 0.63-0.90x torch against 0.92-1.07x for 3 (perf-notes 28).
+    ("k_grouped_ws", "sm90"): [
+        (WsConfig(256, 64, 3), "128 x 256 x 64, TMA loader and store, 3-deep ring (208 KB)"),
     ],
     ("quantize_fp8", "interpret"): [
         (QuantizeConfig(32, 32, 8, 8, 4, 1, 4, 8, 32, 32, 16, 1), "interpreter: small tiles")
@@ -365,6 +371,28 @@ def pick_ws_config(
             return None if hit.get("triton") else WsConfig(**hit)
     wide, narrow = candidates("m_grouped_ws", "sm90")[:2]
     return wide if N > narrow.block_n else narrow
+
+
+# Mean rows per group between which the warp-specialized wgrad runs (exclusive), from the suite's wgrad
+# launches on the H100 (perf-notes 28, paired clock): it won at 1024 (dsv3 fc1/fc2, +6-8% over the Triton
+# kernel's pick) and lost at 128-256 (qwen3-30b, gpt-oss-120b, finegrain-e256: -3 to -11%, where 2 CTAs of
+# 128 x 128 a SM hide each other's epilogue) and at 2048 (mixtral-fc1: -5%, long reductions amortize the
+# Triton kernel's per-tile work).
+K_WS_ROWS = (256, 2048)
+
+
+def pick_k_ws_config(
+    *, device_name: str = "", dtype: str = "", G: int = 0, N: int = 0, K: int = 0, M: int = 0
+) -> WsConfig | None:
+    """The warp-specialized k-grouped kernel's config for a BF16/FP16 wgrad (N, K: out[g]'s columns and rows), or
+    None where the Triton kernel stays faster: groups that average K_WS_ROWS rows, exclusive. A tuned-cache
+    entry for this shape bucket wins if the device has one (``{"triton": true}`` keeps the Triton kernel)."""
+    if device_name:
+        hit = load_cache(device_name).get(cache_key("k_grouped_ws", dtype, G, N, K, M))
+        if hit is not None:
+            return None if hit.get("triton") else WsConfig(**hit)
+    low, high = K_WS_ROWS
+    return candidates("k_grouped_ws", "sm90")[0] if G > 0 and low * G < M < high * G else None
 
 
 @functools.lru_cache(maxsize=1024)

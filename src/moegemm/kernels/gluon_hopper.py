@@ -67,6 +67,7 @@ __all__ = [
     "sched_layout",
     "supported",
     "TensorDescriptor",
+    "tma",
     "tma_load",
     "warpgroup_mma",
     "wait_slot_free",

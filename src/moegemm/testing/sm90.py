@@ -30,7 +30,14 @@ from triton.backends.compiler import GPUTarget
 from triton.tools.tensor_descriptor import TensorDescriptor as TlTensorDescriptor
 
 from moegemm import configs
-from moegemm.kernels import k_grouped, k_grouped_fp8_ws, m_grouped, m_grouped_fp8_ws, m_grouped_ws
+from moegemm.kernels import (
+    k_grouped,
+    k_grouped_fp8_ws,
+    k_grouped_ws,
+    m_grouped,
+    m_grouped_fp8_ws,
+    m_grouped_ws,
+)
 from moegemm.kernels.gluon_hopper import TensorDescriptor, gl
 from moegemm.kernels.schedule import sm90_shared_fits
 
@@ -61,6 +68,21 @@ def _m_grouped_ws(w_k_contiguous: bool, tma: bool):
         pointers["w_desc"] = _desc(x, block)
         return m_grouped_ws.m_grouped_mm_ws_tma_kernel, launch.meta, pointers
     return m_grouped_ws.m_grouped_mm_ws_kernel, launch.meta, pointers
+
+
+def _k_grouped_ws():
+    """The warp-specialized BF16 wgrad at gpt-oss-20b's sizes (out [32, 2880, 2880]), its table config."""
+    Gw, Mw, Kw, Nw = 32, 16384, 2880, 2880
+    config = configs.candidates("k_grouped_ws", "sm90")[0]
+    launch = k_grouped_ws.KGroupedWsLaunch.make(Mw, Nw, Kw, Gw, config=config, num_programs_cap=132)
+    x = torch.empty(16, 16, dtype=torch.bfloat16)  # only its dtype and alignment matter here
+    pointers = {
+        "out_desc": _desc(x, [k_grouped_ws.BLOCK_K // 2, config.block_n]),
+        "a_ptr": "*bf16",
+        "b_ptr": "*bf16",
+        "group_sizes_ptr": "*i32",
+    }
+    return k_grouped_ws.k_grouped_mm_ws_kernel, {**launch.meta, "K": Kw, "N": Nw, "G": Gw}, pointers
 
 
 def _desc(t, block):
@@ -229,6 +251,7 @@ KERNELS = {
     "m_grouped_ws_tma-k-contiguous": lambda: _m_grouped_ws(True, True),
     "m_grouped_ws_tma-n-contiguous": lambda: _m_grouped_ws(False, True),
     "m_grouped_fp8_ws": _m_grouped_fp8_ws,
+    "k_grouped_ws": _k_grouped_ws,
     "k_grouped_fp8_ws": _k_grouped_fp8_ws,
 }
 

@@ -21,6 +21,7 @@ from triton.runtime import _allocation
 from triton.tools.tensor_descriptor import TensorDescriptor as TlTensorDescriptor
 
 from moegemm import configs
+from moegemm.kernels import k_grouped_ws as k_ws
 from moegemm.kernels import m_grouped_ws as ws
 from moegemm.kernels.gluon_hopper import TensorDescriptor
 from moegemm.kernels.k_grouped import KGroupedLaunch, k_grouped_mm_kernel
@@ -53,6 +54,10 @@ TMA_STORE_MIN_FLOPS = 5e10
 # (perf-notes 26). MOEGEMM_TMA_LOAD=0 keeps cp.async everywhere. Both are read at call time.
 TMA_LOAD = os.environ.get("MOEGEMM_TMA_LOAD", "1") != "0"
 TMA_LOAD_MIN_FLOPS = 5e10
+# The warp-specialized wgrad (kernels/k_grouped_ws.py: TMA loader, TMA-store epilogue) on sm90 for 2-byte
+# wgrads that could take both TMA paths above, where configs.pick_k_ws_config routes them (groups of 256-2048
+# rows on average; perf-notes 28). MOEGEMM_WS_WGRAD=0 keeps the Triton kernel. Read at call time.
+WS_WGRAD = os.environ.get("MOEGEMM_WS_WGRAD", "1") != "0"
 
 
 @functools.cache
@@ -192,6 +197,20 @@ def _k_launch(
     )
 
 
+@functools.lru_cache(maxsize=4096)
+def _k_ws_launch(M, N, K, G, dtype, device, stride_am, stride_bm) -> k_ws.KGroupedWsLaunch | None:
+    """The warp-specialized wgrad's launch (out [G, K, N] = a^T b per group), or None where the Triton kernel
+    runs: a problem it does not take (``k_ws.supported_problem``), a device without Gluon's Hopper path, or a
+    shape ``configs.pick_k_ws_config`` keeps on the Triton kernel. Static facts only."""
+    if not (k_ws.supported_problem(K, N, dtype.itemsize, (stride_am, stride_bm), M) and _ws_device(device)):
+        return None
+    _, device_name, programs = _target(device)
+    config = configs.pick_k_ws_config(device_name=device_name, dtype=_dtype_name(dtype), G=G, N=N, K=K, M=M)
+    if config is None:
+        return None
+    return k_ws.KGroupedWsLaunch.make(M, N, K, G, config=config, num_programs_cap=programs)
+
+
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     """Triton's global scratch for a launch (tensor maps a kernel makes on the device): from the
     caching allocator on the current device, O(programs) bytes, released when the launch returns
@@ -305,6 +324,7 @@ M_GROUPED_WS = DirectLaunch(ws.m_grouped_mm_ws_kernel)
 M_GROUPED_WS_TMA = DirectLaunch(ws.m_grouped_mm_ws_tma_kernel, descriptors=True)
 K_GROUPED = DirectLaunch(k_grouped_mm_kernel)
 K_GROUPED_TMA = DirectLaunch(k_grouped_mm_kernel, descriptors=True)
+K_GROUPED_WS = DirectLaunch(k_ws.k_grouped_mm_ws_kernel, descriptors=True)
 
 
 def clear_launch_cache() -> None:
@@ -313,12 +333,14 @@ def clear_launch_cache() -> None:
     _m_ws_launch.cache_clear()
     _ws_device.cache_clear()
     _k_launch.cache_clear()
+    _k_ws_launch.cache_clear()
     M_GROUPED.clear()
     M_GROUPED_TMA.clear()
     M_GROUPED_WS.clear()
     M_GROUPED_WS_TMA.clear()
     K_GROUPED.clear()
     K_GROUPED_TMA.clear()
+    K_GROUPED_WS.clear()
 
 
 def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = False) -> None:
@@ -488,6 +510,28 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) ->
         and a.data_ptr() % 16 == 0
         and b.data_ptr() % 16 == 0
     )
+    # The warp-specialized kernel where both TMA paths apply, out is contiguous in a's dtype, and no column sums.
+    if (
+        WS_WGRAD
+        and tma_store
+        and tma_load
+        and a_colsum is None
+        and out.dtype == a.dtype == b.dtype
+        and so == (K * N, N, 1)
+    ):
+        ws_launch = _k_ws_launch(M, N, K, G, a.dtype, a.device, sa[0], sb[0])
+        if ws_launch is not None:
+            _ensure_allocator()  # the loader's descriptors live in Triton's global scratch
+            block = [k_ws.BLOCK_K // 2, ws_launch.meta["BLOCK_N"]]
+            layout = _nvmma_layout(*block, _GL_DTYPES[out.dtype])
+            out_desc = TensorDescriptor(out.view(G * K, N), [G * K, N], [N, 1], block, layout)
+            K_GROUPED_WS.launch(
+                ("ws", M, N, K, G, a.dtype, a.device, sa[0], sb[0]),
+                (out_desc, a, b, group_sizes),
+                (M, K, N, G, sa[0], sb[0]),
+                lambda: ws_launch,
+            )
+            return
     spec = (
         M,
         N,
