@@ -377,7 +377,8 @@ def pick_ws_config(
 # launches on the H100 (perf-notes 28, paired clock): it won at 1024 (dsv3 fc1/fc2, +6-8% over the Triton
 # kernel's pick) and lost at 128-256 (qwen3-30b, gpt-oss-120b, finegrain-e256: -3 to -11%, where 2 CTAs of
 # 128 x 128 a SM hide each other's epilogue) and at 2048 (mixtral-fc1: -5%, long reductions amortize the
-# Triton kernel's per-tile work).
+# Triton kernel's per-tile work). The suite's one launch in range that lost, finegrain-e64 (1024 rows, G 8:
+# -5.6%), is below the launcher's TMA gate (5e10 FLOPs), which this kernel needs, so it never routes.
 K_WS_ROWS = (256, 2048)
 
 

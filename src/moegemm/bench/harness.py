@@ -104,24 +104,35 @@ def poisoned_outputs(device: torch.device, nbytes: int):
 @contextlib.contextmanager
 def config_spy(seen: list[dict]):
     """Wraps ``configs.pick_config`` (whatever it is now, e.g. tune's forced one) and appends each call's
-    arguments, returned config and cache key to ``seen``; the launchers look it up through the module."""
+    arguments, returned config and cache key to ``seen``; the launchers look it up through the module. The
+    warp-specialized wgrad's pick (``pick_k_ws_config``) is recorded where it routes a launch (op
+    "k_grouped_ws")."""
     from moegemm import configs
 
-    inner = configs.pick_config
+    inner, inner_ws = configs.pick_config, configs.pick_k_ws_config
 
-    def spy(op, target, **kw):
-        config = inner(op, target, **kw)
+    def record(op, target, kw, config):
         key = configs.cache_key(
             op, kw.get("dtype", ""), kw.get("G", 0), kw.get("N", 0), kw.get("K", 0), kw.get("M", 0)
         )
         seen.append({"op": op, "target": target, **kw, "config": config, "cache_key": key})
+
+    def spy(op, target, **kw):
+        config = inner(op, target, **kw)
+        record(op, target, kw, config)
         return config
 
-    configs.pick_config = spy
+    def spy_ws(**kw):
+        config = inner_ws(**kw)
+        if config is not None:
+            record("k_grouped_ws", "sm90", kw, config)
+        return config
+
+    configs.pick_config, configs.pick_k_ws_config = spy, spy_ws
     try:
         yield seen
     finally:
-        configs.pick_config = inner
+        configs.pick_config, configs.pick_k_ws_config = inner, inner_ws
 
 
 def _reason(exc: BaseException) -> str:
@@ -198,8 +209,12 @@ def measure(
             config_spy(seen),
         ):
             out, peak_mb = timing.call_with_peak_mb(fn, problem.device)
-        if seen:  # the tile config moegemm's launcher picked (tuned cache hit or table default)
-            rec.update(config=dataclasses.asdict(seen[0]["config"]), cache_key=seen[0]["cache_key"])
+        if seen:  # the tile config moegemm's launcher picked (tuned cache hit, model pick or table default)
+            rec.update(
+                config=dataclasses.asdict(seen[0]["config"]),
+                cache_key=seen[0]["cache_key"],
+                kernel=seen[0]["op"],
+            )
         if not isinstance(out, torch.Tensor):
             out, peak_mb = torch.from_dlpack(out), None  # e.g. a jax.Array: torch's allocator never saw it
         err = relerr(out, ref)

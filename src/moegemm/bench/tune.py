@@ -26,17 +26,19 @@ OP_KIND = {"fwd": "m_grouped", "dgrad": "m_grouped", "wgrad": "k_grouped"}
 
 @contextlib.contextmanager
 def force_config(config):
-    """Every ``configs.pick_config`` call returns ``config`` (the launchers look it up per call)."""
+    """Every ``configs.pick_config`` call returns ``config`` (the launchers look it up per call), and the
+    warp-specialized wgrad routes nothing (``pick_k_ws_config``: None), so the candidate is what runs."""
     from moegemm.torch import _launch, _launch_fp8
 
-    original = configs.pick_config
+    original, original_ws = configs.pick_config, configs.pick_k_ws_config
     configs.pick_config = lambda op, target, **kwargs: config
+    configs.pick_k_ws_config = lambda **kwargs: None
     _launch.clear_launch_cache()
     _launch_fp8.clear_launch_cache()
     try:
         yield
     finally:
-        configs.pick_config = original
+        configs.pick_config, configs.pick_k_ws_config = original, original_ws
         _launch.clear_launch_cache()
         _launch_fp8.clear_launch_cache()
 
