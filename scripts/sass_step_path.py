@@ -19,8 +19,6 @@ import sys
 import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from moegemm import configs
 from moegemm.testing import sm90
@@ -31,25 +29,7 @@ LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/")
 def compile_candidate(index: int):
     config = configs.candidates("k_grouped", "sm90")[index]
     fn, meta, pointers, values = sm90._k_grouped(config, tma_store=True, tma_load=config.tma_load)
-    signature, constexprs, attrs = {}, {}, {}
-    for i, param in enumerate(fn.params):
-        if param.name in pointers:
-            signature[param.name] = pointers[param.name]
-            if pointers[param.name].startswith("*"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        elif param.name in meta:
-            signature[param.name] = "constexpr"
-            constexprs[(i,)] = meta[param.name]
-        elif param.is_constexpr or values[param.name] == 1:
-            signature[param.name] = "constexpr"
-            constexprs[(i,)] = values[param.name]
-        else:
-            signature[param.name] = "i32"
-            if values[param.name] % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    options = {k: meta[k] for k in ("num_warps", "num_stages")}
-    source = ASTSource(fn, signature, constexprs, attrs)
-    return config, triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return config, sm90.compile_source(fn, meta, pointers, values)
 
 
 def sass(compiled) -> list[str]:
@@ -86,7 +66,8 @@ def main() -> int:
         config, compiled = compile_candidate(index)
         path = step_path(sass(compiled))
         ops = collections.Counter(
-            re.sub(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", line).split()[0].split(".")[0] for line in path
+            re.sub(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", line).split()[0].split(".")[0]
+            for line in path
         )
         print(f"{index} {config}: {len(path)} instructions a step; {dict(ops.most_common(8))}")
     return 0

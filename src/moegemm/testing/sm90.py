@@ -41,7 +41,7 @@ from moegemm.kernels import (
 from moegemm.kernels.gluon_hopper import TensorDescriptor, gl
 from moegemm.kernels.schedule import sm90_shared_fits
 
-__all__ = ["KERNELS", "compile_kernel"]
+__all__ = ["KERNELS", "compile_kernel", "compile_source"]
 
 # A realistic specialization per kernel: (G, M, N, K) of dsv3-ep8-fc1 and the default configs.
 G, M, N, K = 32, 32768, 4096, 7168
@@ -258,15 +258,26 @@ KERNELS = {
 
 def compile_kernel(name: str) -> dict:
     """{"kernel", "shared" (bytes), "ctas_per_sm", "spill_bytes" (None if unknown)} of one KERNELS entry, compiled for
-    sm_90a. An entry gives pointer types, the launch's meta-parameters and, for Triton kernels, the
-    other arguments' values, specialized as a launch would (constexpr parameters take the value, an
-    int equal to 1 becomes the constant, one divisible by 16 gets that fact). Gluon entries give no
-    values: their ints are i32 with the 16-divisibility of a suite shape, except M (any count)."""
+    sm_90a (``compile_source``)."""
+    fn, meta, pointers, *values = KERNELS[name]()
+    compiled = compile_source(fn, meta, pointers, values[0] if values else None)
+    return {
+        "kernel": name,
+        "shared": compiled.metadata.shared,
+        "ctas_per_sm": meta.get("ctas_per_sm", 1),
+        "spill_bytes": _spills(compiled.asm["ptx"]),
+    }
+
+
+def compile_source(fn, meta: dict, pointers: dict, values: dict | None = None):
+    """A Triton or Gluon kernel compiled for sm_90a (the CompiledKernel: metadata, asm["ptx"/"cubin"/...]).
+    ``pointers`` gives pointer and descriptor types, ``meta`` the launch's meta-parameters; for Triton kernels
+    ``values`` the other arguments, specialized as a launch would (constexpr parameters take the value, an
+    int equal to 1 becomes the constant, one divisible by 16 gets that fact). Gluon entries give no values:
+    their ints are i32 with the 16-divisibility of a suite shape, except M (any count)."""
     from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn, meta, pointers, *values = KERNELS[name]()
-    values = values[0] if values else None
     signature, constexprs, attrs = {}, {}, {}
     for i, param in enumerate(fn.params):
         if param.name in pointers:
@@ -289,13 +300,7 @@ def compile_kernel(name: str) -> dict:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     options = {k: meta[k] for k in ("num_warps", "num_stages", "maxnreg") if k in meta}
     source = (ASTSource if values is not None else GluonASTSource)(fn, signature, constexprs, attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    return {
-        "kernel": name,
-        "shared": compiled.metadata.shared,
-        "ctas_per_sm": meta.get("ctas_per_sm", 1),
-        "spill_bytes": _spills(compiled.asm["ptx"]),
-    }
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def _spills(ptx: str) -> int | None:
