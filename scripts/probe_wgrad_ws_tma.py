@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import sys
@@ -23,7 +24,7 @@ from moegemm.kernels import k_grouped_ws
 LOG = os.path.join(os.environ.get("OUT", "."), "wgrad_ws_tma.jsonl")
 
 
-def launch(a, b, group_sizes, out, stages: int = 3) -> None:
+def launch(a, b, group_sizes, out, stages: int = 3, rows: int = 64) -> None:
     """out [G, Ka, Nb] = for g: a[rows(g)]^T @ b[rows(g)] (2-byte, contiguous, Ka % 64 == 0) on the kernel."""
     from moegemm.kernels.gluon_hopper import TensorDescriptor, gl
     from moegemm.torch._launch import _ensure_allocator
@@ -31,7 +32,9 @@ def launch(a, b, group_sizes, out, stages: int = 3) -> None:
     M, Ka = a.shape
     Nb = b.shape[1]
     G = out.shape[0]
-    config = dataclasses.replace(configs.candidates("k_grouped_ws", "sm90")[0], num_stages=stages)
+    config = dataclasses.replace(
+        configs.candidates("k_grouped_ws", "sm90")[0], num_stages=stages, block_k=rows
+    )
     run = k_grouped_ws.KGroupedWsLaunch.make(M, Nb, Ka, G, config=config, num_programs_cap=132)
     _ensure_allocator()
     block = [k_grouped_ws.BLOCK_K // 2, config.block_n]
@@ -66,12 +69,13 @@ def main() -> int:
         ("edge-empty-tail", 1000, 256, 384, [0, 1, 63, 65, 0, 300, 571, 0]),
         ("edge-one-hot", 777, 192, 136, [0, 777, 0]),
     ]
-    for name, M, Ka, Nb, sizes in edge:
+    for (name, M, Ka, Nb, sizes), variant in itertools.product(edge, args.stages.split(",")):
+        stages, _, rows = variant.partition("r")
         gs = torch.tensor(sizes, dtype=torch.int32, device="cuda")
         a = torch.randn(M, Ka, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(M, Nb, device="cuda", dtype=torch.bfloat16)
         out = torch.full((len(sizes), Ka, Nb), float("nan"), device="cuda", dtype=torch.bfloat16)
-        launch(a, b, gs, out)
+        launch(a, b, gs, out, stages=int(stages), rows=int(rows or 64))
         ref = torch.zeros(len(sizes), Ka, Nb, device="cuda", dtype=torch.float64)
         start = 0
         for g, s in enumerate(sizes):
@@ -80,6 +84,7 @@ def main() -> int:
         err = ((out.double() - ref).norm() / ref.norm()).item()
         record(
             case=name,
+            variant=variant,
             relerr=err,
             nan=int(out.isnan().sum()),
             zeros_ok=bool((out[[g for g, s in enumerate(sizes) if s == 0]] == 0).all()),
@@ -98,19 +103,21 @@ def main() -> int:
             "torch": (lambda: None, peer),
             "pick": (lambda: None, functools.partial(_launch.launch_k_grouped, dy, x, gs, out, False)),
         }
-        for stages in map(int, args.stages.split(",")):
-            fn = functools.partial(launch, dy, x, gs, out, stages=stages)
+        for variant in args.stages.split(","):  # "3": 3 slots of 64 rows; "6r32": 6 slots of 32 rows
+            stages, _, rows = variant.partition("r")
+            stages = int(stages)
+            fn = functools.partial(launch, dy, x, gs, out, stages=stages, rows=int(rows or 64))
             try:
                 out.fill_(float("nan"))
                 fn()
                 err = ((out.double() - want.double()).norm() / want.double().norm()).item()
-                row[f"ws{stages}_relerr"] = err
+                row[f"ws{variant}_relerr"] = err
                 if err < 1e-2:
-                    fns[f"ws{stages}"] = (lambda: None, fn)
+                    fns[f"ws{variant}"] = (lambda: None, fn)
                 else:
-                    row[f"ws{stages}_error"] = "relerr above 1e-2"
+                    row[f"ws{variant}_error"] = "relerr above 1e-2"
             except Exception as e:
-                row[f"ws{stages}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+                row[f"ws{variant}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
         for name, ms in paired_ms(fns, args.reps).items():
             row[f"{name}_ms"] = ms
             if name != "torch":
