@@ -181,27 +181,13 @@ def main() -> int:
         return 0
     import torch
     from probe_m_tma_load import paired_ms
+    from probe_wgrad_ws_tma import check_edges
     from probe_wgrad_ws_tma import launch as launch3
 
     from moegemm import shapes
 
-    for name, M, Ka, Nb, sizes in (
-        ("edge-empty-tail", 1000, 256, 384, [0, 1, 63, 65, 0, 300, 571, 0]),
-        ("edge-one-hot", 777, 192, 136, [0, 777, 0]),
-    ):
-        gs = torch.tensor(sizes, dtype=torch.int32, device="cuda")
-        a = torch.randn(M, Ka, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(M, Nb, device="cuda", dtype=torch.bfloat16)
-        out = torch.full((len(sizes), Ka, Nb), float("nan"), device="cuda", dtype=torch.bfloat16)
-        launch(a, b, gs, out)
-        ref = torch.zeros(len(sizes), Ka, Nb, device="cuda", dtype=torch.float64)
-        start = 0
-        for g, s in enumerate(sizes):
-            ref[g] = a[start : start + s].double().T @ b[start : start + s].double()
-            start += s
-        record(
-            case=name, relerr=((out.double() - ref).norm() / ref.norm()).item(), nan=int(out.isnan().sum())
-        )
+    for row in check_edges(launch):
+        record(**row)
     for case in shapes.select(args.cases.split(",")):
         sizes = shapes.group_sizes(case.M, case.G)
         gs = torch.tensor(sizes, dtype=torch.int32, device="cuda")
