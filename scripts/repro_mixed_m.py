@@ -30,5 +30,8 @@ for (M, K, N), bias, mixed, layout in itertools.product(
     bad = ~torch.isclose(out.float(), ref, rtol=3e-2, atol=3e-1)
     rows = bad.any(1).nonzero().flatten().tolist()
     cols = bad.any(0).nonzero().flatten().tolist()
-    print(f"M={M} K={K} N={N} bias={bias} mixed={mixed} layout={layout}: bad={int(bad.sum())} "
-          f"nan={int(out.isnan().sum())} rows={rows[:10]} cols={cols[:10]}", flush=True)
+    print(
+        f"M={M} K={K} N={N} bias={bias} mixed={mixed} layout={layout}: bad={int(bad.sum())} "
+        f"nan={int(out.isnan().sum())} rows={rows[:10]} cols={cols[:10]}",
+        flush=True,
+    )

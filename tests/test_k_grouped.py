@@ -381,16 +381,20 @@ class TestKGroupedWs(KGroupedTest):
 
 
 def test_k_ws_rule():
-    """The warp-specialized wgrad's routing: groups averaging strictly between K_WS_ROWS rows; a cache entry
-    with ``triton`` keeps the Triton kernel (checked through the cache hook, no GPU needed)."""
+    """The warp-specialized wgrad's routing: groups averaging more than K_WS_MIN_ROWS rows, however long; a cache
+    entry with ``triton`` keeps the Triton kernel (checked through the cache hook, no GPU needed)."""
     from moegemm import configs
     from moegemm.kernels import k_grouped_ws
 
-    low, high = configs.K_WS_ROWS
+    low = configs.K_WS_MIN_ROWS
     pick = configs.pick_k_ws_config
     assert pick(G=32, M=32 * 512, N=2880, K=2880) == configs.candidates("k_grouped_ws", "sm90")[0]
-    assert pick(G=32, M=32 * low, N=2880, K=2880) is None and pick(G=32, M=32 * high, N=2880, K=2880) is None
-    assert pick(G=32, M=32 * low + 1, N=2880, K=2880) is not None and pick(G=0, M=100) is None
+    assert (
+        pick(G=4, M=4 * 65536, N=2880, K=2880) is not None
+        and pick(G=128, M=128 * 128, N=2880, K=2880) is None
+    )
+    assert pick(G=32, M=32 * low, N=2880, K=2880) is None and pick(G=0, M=100) is None
+    assert pick(G=32, M=32 * low + 1, N=2880, K=2880) is not None
     ok = dict(Ka=2880, Nb=2880, itemsize=2, row_strides=(2880, 2880), M=16384)
     assert k_grouped_ws.supported_problem(**ok) == k_grouped_ws.supported()
     for bad in (

@@ -214,10 +214,11 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
         (WsConfig(128, 64, 6), "128 x 128: more tiles where G x tiles is short of a wave"),
         (WsConfig(256, 64, 4, 8, 208, False), "cp.async loader: no tensor descriptors"),
     ],
-    # The warp-specialized wgrad (TMA loader, TMA-store epilogue): 3 slots of 64 rows (144 KB) beside the two
-    # consumers' 32 KB staging tiles; 2 slots ran at 0.63-0.90x torch against 0.92-1.07x for 3 (perf-notes 28).
+    # The warp-specialized wgrad (TMA loader, TMA-store epilogue): 4 slots of 64 rows (192 KB) beside one 32 KB
+    # staging tile the consumers take turns on; over 3 slots with a staging tile each, +4.5% geomean on all 19
+    # wgrad launches (perf-notes 29); 2 slots ran at 0.63-0.90x torch against 0.92-1.07x for 3 (perf-notes 28).
     ("k_grouped_ws", "sm90"): [
-        (WsConfig(256, 64, 3), "128 x 256 x 64, TMA loader and store, 3-deep ring (208 KB)"),
+        (WsConfig(256, 64, 4), "128 x 256 x 64, TMA loader and store, 4-deep ring, one shared staging tile"),
     ],
     ("quantize_fp8", "interpret"): [
         (QuantizeConfig(32, 32, 8, 8, 4, 1, 4, 8, 32, 32, 16, 1), "interpreter: small tiles")
@@ -373,27 +374,27 @@ def pick_ws_config(
     return wide if N > narrow.block_n else narrow
 
 
-# Mean rows per group between which the warp-specialized wgrad runs (exclusive), from the suite's wgrad
-# launches on the H100 (perf-notes 28, paired clock): it won at 1024 (dsv3 fc1/fc2, +6-8% over the Triton
-# kernel's pick) and lost at 128-256 (qwen3-30b, gpt-oss-120b, finegrain-e256: -3 to -11%, where 2 CTAs of
-# 128 x 128 a SM hide each other's epilogue) and at 2048 (mixtral-fc1: -5%, long reductions amortize the
-# Triton kernel's per-tile work). The suite's one launch in range that lost, finegrain-e64 (1024 rows, G 8:
-# -5.6%), is below the launcher's TMA gate (5e10 FLOPs), which this kernel needs, so it never routes.
-K_WS_ROWS = (256, 2048)
+# Mean rows per group above which the warp-specialized wgrad runs, from the suite's wgrad launches on the H100
+# (perf-notes 29, paired clock, the 4-slot ring against the Triton kernel's pick): it won at 256 rows
+# (finegrain-e256, +7.7%), 1024 (dsv3 fc1/fc2 +10-12%, finegrain-e64 +6.6%) and 2048 (mixtral-fc1, +4.1%), and
+# lost at 128 (qwen3-30b fc1/fc2 -4 to -6%, gpt-oss-120b -16%: there 2 CTAs of 128 x 128 a SM hide each other's
+# epilogue, and a 64-row step is half of a group's rows). The threshold sits between the two. No suite launch has
+# more than 2048 rows a group; longer groups only amortize the kernel's per-tile work further, so there is no
+# upper bound. finegrain-e64/e256 stay below the launcher's TMA gate (5e10 FLOPs), so they never route.
+K_WS_MIN_ROWS = 192
 
 
 def pick_k_ws_config(
     *, device_name: str = "", dtype: str = "", G: int = 0, N: int = 0, K: int = 0, M: int = 0
 ) -> WsConfig | None:
     """The warp-specialized k-grouped kernel's config for a BF16/FP16 wgrad (N, K: out[g]'s columns and rows), or
-    None where the Triton kernel stays faster: groups that average K_WS_ROWS rows, exclusive. A tuned-cache
+    None where the Triton kernel stays faster: groups that average K_WS_MIN_ROWS rows or fewer. A tuned-cache
     entry for this shape bucket wins if the device has one (``{"triton": true}`` keeps the Triton kernel)."""
     if device_name:
         hit = load_cache(device_name).get(cache_key("k_grouped_ws", dtype, G, N, K, M))
         if hit is not None:
             return None if hit.get("triton") else WsConfig(**hit)
-    low, high = K_WS_ROWS
-    return candidates("k_grouped_ws", "sm90")[0] if G > 0 and low * G < M < high * G else None
+    return candidates("k_grouped_ws", "sm90")[0] if G > 0 and M > K_WS_MIN_ROWS * G else None
 
 
 @functools.lru_cache(maxsize=1024)

@@ -53,6 +53,7 @@ from moegemm.kernels.schedule import clamped_group_bounds, pick, swizzle_tile
 __all__ = ["BLOCK_K", "KGroupedWsLaunch", "k_grouped_mm_ws_kernel", "supported", "supported_problem"]
 
 BLOCK_K = 128  # out rows per tile: two consumer warpgroups of 64
+SHARED_BYTES = 227 * 1024 - 1024  # sm90's opt-in shared memory a CTA, less room for the barriers
 # triton 3.9 turned tma.async_copy_shared_to_global into a stub that raises; async_store takes its place.
 tma_store = (getattr(tma, "async_store", None) or tma.async_copy_shared_to_global) if supported() else None
 
@@ -136,21 +137,34 @@ def _loader(
 
 
 @gluon.jit
+def _hand_over(c_turn, HALF: gl.constexpr):
+    """Shared staging tile: this consumer's last TMA store has read it, so the other one may write it."""
+    tma.store_wait(0)
+    gl.thread_barrier()  # the store's issuing thread waited; the arrive may come from another
+    mbarrier.arrive(c_turn.index(1 - HALF), count=1)
+
+
+@gluon.jit
 def _consumer(
-    out_desc, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, M, K: gl.constexpr, N: gl.constexpr,
+    out_desc, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, c_turn, M, K: gl.constexpr, N: gl.constexpr,
     G: gl.constexpr, HALF: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_R: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_G: gl.constexpr,
 ):  # fmt: skip
-    """Out rows [k0 + 64 HALF, k0 + 64 HALF + 64) of every tile: wgmma with one in flight, then the TMA store."""
+    """Out rows [k0 + 64 HALF, k0 + 64 HALF + 64) of every tile: wgmma with one in flight, then the TMA store.
+    With one staging tile (C_TILES == 1) the consumers take turns, HALF 0 first: c_turn[h] completes once
+    per tile when h may write it, and a consumer hands it over once its store has read it, which it checks
+    after the next tile's first wgmma is issued, so the wait runs under that wgmma."""
     SUB_K: gl.constexpr = BLOCK_K // 2
     NUM_STAGES: gl.constexpr = b_bufs.shape[0]
+    C_TILES: gl.constexpr = c_bufs.shape[0]
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_N, 16]
     )
-    c_smem = c_bufs.index(HALF)
+    c_smem = c_bufs.index(HALF % C_TILES)
     offs, starts, ends = _bounds(group_sizes_ptr, G, M, BLOCK_G)
     total_tiles = G * gl.cdiv(K, BLOCK_K) * gl.cdiv(N, BLOCK_N)
     step = 0
+    t = 0  # this program's tiles so far
     for tile in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
         g, k0, n0, row_start, row_end = _locate(tile, offs, starts, ends, K, N, BLOCK_K, BLOCK_N, GROUP_M)
         acc = gl.zeros([SUB_K, BLOCK_N], gl.float32, mma_layout)
@@ -162,15 +176,27 @@ def _consumer(
             acc = warpgroup_mma_wait(1, deps=[acc])
             if r > 0:
                 release_slot(empty, (step + NUM_STAGES - 1) % NUM_STAGES)
+            elif C_TILES == 1:
+                if t > 0:
+                    _hand_over(c_turn, HALF)
             step += 1
         acc = warpgroup_mma_wait(0, deps=[acc])
         release_slot(empty, (step + NUM_STAGES - 1) % NUM_STAGES)
         row_out = k0 + HALF * SUB_K
-        if row_out < K:  # Ka % 64 == 0: a half tile is all in out[g] or all past it
+        if (
+            C_TILES == 1
+        ):  # HALF 0 waits for HALF 1's store of the tile before, HALF 1 for HALF 0's of this one
+            mbarrier.wait(c_turn.index(HALF), (t & 1) ^ (1 - HALF))
+        else:
             tma.store_wait(0)  # the previous tile's copy has read the staging tile
+        if row_out < K:  # Ka % 64 == 0: a half tile is all in out[g] or all past it
             c_smem.store(acc.to(c_smem.dtype))
             fence_async_shared()
             tma_store(out_desc, [g * K + row_out, n0], c_smem)
+        t += 1
+    if C_TILES == 1:
+        if t > 0:
+            _hand_over(c_turn, HALF)  # the other consumer may be waiting for the last tile's
     tma.store_wait(0)
 
 
@@ -193,6 +219,7 @@ def k_grouped_mm_ws_kernel(
     GROUP_M: gl.constexpr,
     BLOCK_G: gl.constexpr,
     NUM_STAGES: gl.constexpr,
+    C_TILES: gl.constexpr,  # staging tiles: one per consumer, or one they take turns on (a deeper ring)
     CONSUMER_REGS: gl.constexpr,  # setmaxnreg of each consumer warpgroup; the loader gets the rest
 ):
     gl.static_assert(BLOCK_K == 128, "two consumer warpgroups of 64 out rows")
@@ -206,8 +233,11 @@ def k_grouped_mm_ws_kernel(
     b_bufs = gl.allocate_shared_memory(
         dtype, [NUM_STAGES, BLOCK_R, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_N], dtype)
     )
-    c_bufs = gl.allocate_shared_memory(out_desc.dtype, [2, HALF_K, BLOCK_N], out_desc.layout)
+    c_bufs = gl.allocate_shared_memory(out_desc.dtype, [C_TILES, HALF_K, BLOCK_N], out_desc.layout)
     ready, empty = ring_barriers(NUM_STAGES, True)
+    c_turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(c_turn.index(i), count=1)
     # fmt: off
     gl.warp_specialize(
         [
@@ -216,11 +246,13 @@ def k_grouped_mm_ws_kernel(
                 NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G,
             )),
             (_consumer, (
-                out_desc, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, M, K, N, G, 0, NUM_PROGRAMS,
+                out_desc, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, c_turn, M, K, N, G, 0,
+                NUM_PROGRAMS,
                 BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G,
             )),
             (_consumer, (
-                out_desc, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, M, K, N, G, 1, NUM_PROGRAMS,
+                out_desc, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, c_turn, M, K, N, G, 1,
+                NUM_PROGRAMS,
                 BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G,
             )),
         ],
@@ -243,6 +275,8 @@ class KGroupedWsLaunch:
         """N, K: out[g]'s columns and rows; config: ``configs.WsConfig`` (block_n, block_k = the row step
         BLOCK_R, num_stages, group_m, consumer_regs); num_programs_cap: the SM count (one CTA per SM)."""
         tiles = G * triton.cdiv(K, BLOCK_K) * triton.cdiv(N, config.block_n)
+        ring = config.num_stages * config.block_k * (BLOCK_K + config.block_n) * 2
+        staging = (BLOCK_K // 2) * config.block_n * 2
         meta = dict(
             NUM_PROGRAMS=max(1, min(tiles, num_programs_cap)),
             BLOCK_K=BLOCK_K,
@@ -251,6 +285,8 @@ class KGroupedWsLaunch:
             GROUP_M=config.group_m,
             BLOCK_G=max(16, triton.next_power_of_2(G)),
             NUM_STAGES=config.num_stages,
+            # A staging tile per consumer where it fits beside the ring, else one they share.
+            C_TILES=2 if ring + 2 * staging <= SHARED_BYTES else 1,
             CONSUMER_REGS=config.consumer_regs,
             num_warps=LOADER_WARPS,
             maxnreg=MAXNREG,

@@ -55,8 +55,8 @@ TMA_STORE_MIN_FLOPS = 5e10
 TMA_LOAD = os.environ.get("MOEGEMM_TMA_LOAD", "1") != "0"
 TMA_LOAD_MIN_FLOPS = 5e10
 # The warp-specialized wgrad (kernels/k_grouped_ws.py: TMA loader, TMA-store epilogue) on sm90 for 2-byte
-# wgrads that could take both TMA paths above, where configs.pick_k_ws_config routes them (groups of 256-2048
-# rows on average; perf-notes 28). MOEGEMM_WS_WGRAD=0 keeps the Triton kernel. Read at call time.
+# wgrads that could take both TMA paths above, where configs.pick_k_ws_config routes them (groups of more than
+# 192 rows on average; perf-notes 28, 29). MOEGEMM_WS_WGRAD=0 keeps the Triton kernel. Read at call time.
 WS_WGRAD = os.environ.get("MOEGEMM_WS_WGRAD", "1") != "0"
 
 
