@@ -23,8 +23,9 @@ from moegemm.kernels import k_grouped_ws
 LOG = os.path.join(os.environ.get("OUT", "."), "wgrad_ws_tma.jsonl")
 
 
-def launch(a, b, group_sizes, out, stages: int = 3, rows: int = 64) -> None:
-    """out [G, Ka, Nb] = for g: a[rows(g)]^T @ b[rows(g)] (2-byte, contiguous, Ka % 64 == 0) on the kernel."""
+def launch(a, b, group_sizes, out, stages: int = 3, rows: int = 64, module=k_grouped_ws) -> None:
+    """out [G, Ka, Nb] = for g: a[rows(g)]^T @ b[rows(g)] (2-byte, contiguous, Ka % 64 == 0) on the kernel
+    (``module``: the src one, or an earlier version of its file to compare against)."""
     from moegemm.kernels.gluon_hopper import TensorDescriptor, gl
     from moegemm.torch._launch import _ensure_allocator
 
@@ -34,12 +35,12 @@ def launch(a, b, group_sizes, out, stages: int = 3, rows: int = 64) -> None:
     config = dataclasses.replace(
         configs.candidates("k_grouped_ws", "sm90")[0], num_stages=stages, block_k=rows
     )
-    run = k_grouped_ws.KGroupedWsLaunch.make(M, Nb, Ka, G, config=config, num_programs_cap=132)
+    run = module.KGroupedWsLaunch.make(M, Nb, Ka, G, config=config, num_programs_cap=132)
     _ensure_allocator()
-    block = [k_grouped_ws.BLOCK_K // 2, config.block_n]
+    block = [module.BLOCK_K // 2, config.block_n]
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
     out_desc = TensorDescriptor(out.view(G * Ka, Nb), [G * Ka, Nb], [Nb, 1], block, layout)
-    k_grouped_ws.k_grouped_mm_ws_kernel[run.grid](
+    module.k_grouped_mm_ws_kernel[run.grid](
         out_desc, a, b, group_sizes, M, Ka, Nb, G, a.stride(0), b.stride(0), **run.meta
     )
 
@@ -47,6 +48,8 @@ def launch(a, b, group_sizes, out, stages: int = 3, rows: int = 64) -> None:
 EDGES = (  # empty groups, a group of 1 row, groups ending inside a step, one hot expert, a half tile past K
     ("edge-empty-tail", 1000, 256, 384, [0, 1, 63, 65, 0, 300, 571, 0]),
     ("edge-one-hot", 777, 192, 136, [0, 777, 0]),
+    ("edge-narrow-n", 900, 320, 72, [500, 0, 400]),  # every column tile narrow (72 of 256 columns)
+    ("edge-n-tail-64", 700, 128, 320, [64, 636]),  # a 64-column last tile
 )
 
 
@@ -97,9 +100,19 @@ def main() -> int:
     from moegemm import shapes
     from moegemm.torch import _launch
 
-    for variant in args.stages.split(","):  # "3": 3 slots of 64 rows; "6r32": 6 slots of 32 rows
+    def variant_fn(
+        variant,
+    ):  # "3": 3 slots of 64 rows; "6r32": 6 slots of 32 rows; "prev4": the earlier file's kernel
+        module = k_grouped_ws
+        if variant.startswith("prev"):
+            import k_grouped_ws_prev as module  # written next to this script for the run
+
+            variant = variant[4:]
         stages, _, rows = variant.partition("r")
-        for row in check_edges(functools.partial(launch, stages=int(stages), rows=int(rows or 64))):
+        return functools.partial(launch, stages=int(stages), rows=int(rows or 64), module=module)
+
+    for variant in args.stages.split(","):
+        for row in check_edges(variant_fn(variant)):
             record(**row, variant=variant)
     for case in shapes.select(args.cases.split(",")):
         sizes = shapes.group_sizes(case.M, case.G)
@@ -115,10 +128,8 @@ def main() -> int:
             "torch": (lambda: None, peer),
             "pick": (lambda: None, functools.partial(_launch.launch_k_grouped, dy, x, gs, out, False)),
         }
-        for variant in args.stages.split(","):  # "3": 3 slots of 64 rows; "6r32": 6 slots of 32 rows
-            stages, _, rows = variant.partition("r")
-            stages = int(stages)
-            fn = functools.partial(launch, dy, x, gs, out, stages=stages, rows=int(rows or 64))
+        for variant in args.stages.split(","):
+            fn = functools.partial(variant_fn(variant), dy, x, gs, out)
             try:
                 out.fill_(float("nan"))
                 fn()

@@ -72,7 +72,7 @@ def _m_grouped_ws(w_k_contiguous: bool, tma: bool):
 
 def _k_grouped_ws(num_stages: int | None = None):
     """The warp-specialized BF16 wgrad at gpt-oss-20b's sizes (out [32, 2880, 2880]), its table config (or
-    that config with another ring depth: 4 slots take the consumers' shared staging tile)."""
+    that config with another ring depth: 3 slots leave room for a staging tile per consumer)."""
     Gw, Mw, Kw, Nw = 32, 16384, 2880, 2880
     config = configs.candidates("k_grouped_ws", "sm90")[0]
     if num_stages is not None:
@@ -255,7 +255,7 @@ KERNELS = {
     "m_grouped_ws_tma-n-contiguous": lambda: _m_grouped_ws(False, True),
     "m_grouped_fp8_ws": _m_grouped_fp8_ws,
     "k_grouped_ws": _k_grouped_ws,
-    "k_grouped_ws-4-slots": lambda: _k_grouped_ws(4),
+    "k_grouped_ws-3-slots": lambda: _k_grouped_ws(3),
     "k_grouped_fp8_ws": _k_grouped_fp8_ws,
 }
 
