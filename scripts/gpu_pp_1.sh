@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Ran on commit f4a7dfd; the ping-pong kernel was removed in the next commit.)
 # Device call 4 (perf-notes 29, H100): ping-pong consumers (each takes whole 128 x 128 tiles in turn, a 2-slot ring each)
 # against the routed 4-slot kernel and the Triton pick (WS routing off), paired, on wgrads of 128-1024 rows a group.
 set -uo pipefail

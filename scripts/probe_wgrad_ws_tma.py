@@ -23,7 +23,7 @@ from moegemm.kernels import k_grouped_ws
 LOG = os.path.join(os.environ.get("OUT", "."), "wgrad_ws_tma.jsonl")
 
 
-def launch(a, b, group_sizes, out, stages: int = 3, rows: int = 64, module=k_grouped_ws, **changes) -> None:
+def launch(a, b, group_sizes, out, stages: int = 3, rows: int = 64, module=k_grouped_ws) -> None:
     """out [G, Ka, Nb] = for g: a[rows(g)]^T @ b[rows(g)] (2-byte, contiguous, Ka % 64 == 0) on the kernel
     (``module``: the src one, or an earlier version of its file to compare against)."""
     from moegemm.kernels.gluon_hopper import TensorDescriptor, gl
@@ -33,7 +33,7 @@ def launch(a, b, group_sizes, out, stages: int = 3, rows: int = 64, module=k_gro
     Nb = b.shape[1]
     G = out.shape[0]
     config = dataclasses.replace(
-        configs.candidates("k_grouped_ws", "sm90")[0], num_stages=stages, block_k=rows, **changes
+        configs.candidates("k_grouped_ws", "sm90")[0], num_stages=stages, block_k=rows
     )
     run = module.KGroupedWsLaunch.make(M, Nb, Ka, G, config=config, num_programs_cap=132)
     _ensure_allocator()
@@ -100,12 +100,10 @@ def main() -> int:
     from moegemm import shapes
     from moegemm.torch import _launch
 
-    def variant_fn(variant):
-        """ "3": 3 slots of 64 rows; "6r32": 6 slots of 32 rows; "prev4": the earlier file's kernel; "pp5":
-        ping-pong consumers on 128 x 128 tiles, 5 slots."""
+    def variant_fn(
+        variant,
+    ):  # "3": 3 slots of 64 rows; "6r32": 6 slots of 32 rows; "prev4": the earlier file's kernel
         module = k_grouped_ws
-        if variant.startswith("pp"):
-            return functools.partial(launch, stages=int(variant[2:]), block_n=128, pingpong=True)
         if variant.startswith("prev"):
             import k_grouped_ws_prev as module  # written next to this script for the run
 

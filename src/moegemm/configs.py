@@ -77,7 +77,6 @@ class WsConfig:
     group_m: int = 8
     consumer_regs: int = 232
     tma: bool = True  # the TMA loader where it applies (PyTorch, groups back to back), else cp.async
-    pingpong: bool = False  # k-grouped only: each consumer takes whole tiles in turn (short groups)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -106,11 +106,10 @@ def sched_layout(num_warps):
 
 
 @gluon.jit
-def ring_barriers(NUM_STAGES: gl.constexpr, TMA: gl.constexpr = False, RELEASES: gl.constexpr = 2):
+def ring_barriers(NUM_STAGES: gl.constexpr, TMA: gl.constexpr = False):
     """(ready, empty) [NUM_STAGES] mbarriers: ready[s] completes when every loader thread's copies into
     slot s landed (one arrive per thread of the launch's default partition; with TMA, the loader's
-    one expect-arrive and the copies' byte count), empty[s] when RELEASES consumers released it (both,
-    or the one that owns the slot's tile where consumers take whole tiles in turn)."""
+    one expect-arrive and the copies' byte count), empty[s] when both consumers released it."""
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     if TMA:
@@ -119,7 +118,7 @@ def ring_barriers(NUM_STAGES: gl.constexpr, TMA: gl.constexpr = False, RELEASES:
         ready_count: gl.constexpr = 32 * gl.num_warps()
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=ready_count)
-        mbarrier.init(empty.index(i), count=RELEASES)
+        mbarrier.init(empty.index(i), count=2)  # one per consumer
     return ready, empty
 
 

@@ -43,6 +43,7 @@ from moegemm.kernels.gluon_hopper import (
     supported,
     tma,
     tma_load,
+    wait_slot_free,
     wait_slot_ready,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -99,21 +100,15 @@ def _loader(
     a_ptr, b_ptr, group_sizes_ptr, a_bufs, b_bufs, ready, empty, M, K: gl.constexpr, N: gl.constexpr,
     G: gl.constexpr, stride_am, stride_bm, NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_R: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_G: gl.constexpr,
-    PINGPONG: gl.constexpr,
 ):  # fmt: skip
-    """Fills ring slot step % NUM_STAGES with step's rows of a (two 64-column halves) and b. Ping-pong: the
-    ring is two rings of NUM_STAGES / 2 slots, one per consumer, each with its own step count (a consumer
-    that skipped the other's steps could otherwise pass a barrier a phase early)."""
+    """Fills ring slot step % NUM_STAGES with step's rows of a (two 64-column halves) and b."""
     HALF_K: gl.constexpr = BLOCK_K // 2
     STEP_BYTES: gl.constexpr = BLOCK_R * (BLOCK_K + BLOCK_N) * a_bufs.dtype.primitive_bitwidth // 8
-    SUB: gl.constexpr = b_bufs.shape[0] // 2 if PINGPONG else b_bufs.shape[0]
     a_layout: gl.constexpr = a_bufs.layout
     b_layout: gl.constexpr = b_bufs.layout
     offs, starts, ends = _bounds(group_sizes_ptr, G, M, BLOCK_G)
     total_tiles = G * gl.cdiv(K, BLOCK_K) * gl.cdiv(N, BLOCK_N)
-    step = 0  # steps loaded into this tile's ring
-    other = 0  # ping-pong: steps loaded into the other consumer's ring
-    t = 0
+    step = 0
     desc_g = -1
     a_desc = tma.make_tensor_descriptor(a_ptr, [1, K], [stride_am, 1], [BLOCK_R, HALF_K], a_layout)
     b_desc = tma.make_tensor_descriptor(b_ptr, [1, N], [stride_bm, 1], [BLOCK_R, BLOCK_N], b_layout)
@@ -130,22 +125,15 @@ def _loader(
                 b_ptr, [extent, N], [stride_bm, 1], [BLOCK_R, BLOCK_N], b_layout
             )
         row0 = gl.where(row_end > row_start, row_start, extent)
-        steps = gl.maximum(gl.cdiv(row_end - row_start, BLOCK_R), 1)
-        base = (t % 2) * SUB if PINGPONG else 0
-        for r in range(steps):
-            j = step + r
-            slot = base + j % SUB
-            mbarrier.wait(empty.index(slot), ((j // SUB) & 1) ^ 1)  # the first pass finds init's phase done
+        for r in range(gl.maximum(gl.cdiv(row_end - row_start, BLOCK_R), 1)):
+            slot = wait_slot_free(empty, step)
             bar = ready.index(slot)
             mbarrier.expect(bar, STEP_BYTES)  # a box past the extent is zero-filled and still counts
             row = row0 + r * BLOCK_R
             tma_load(a_desc, [row, k0], bar, a_bufs.index(2 * slot))
             tma_load(a_desc, [row, k0 + HALF_K], bar, a_bufs.index(2 * slot + 1))
             tma_load(b_desc, [row, n0], bar, b_bufs.index(slot))
-        step += steps
-        if PINGPONG:  # the next tile is the other consumer's
-            step, other = other, step
-        t += 1
+            step += 1
 
 
 @gluon.jit
@@ -154,59 +142,6 @@ def _hand_over(c_turn, HALF: gl.constexpr):
     tma.store_wait(0)
     gl.thread_barrier()  # the store's issuing thread waited; the arrive may come from another
     mbarrier.arrive(c_turn.index(1 - HALF), count=1)
-
-
-@gluon.jit
-def _consumer_pingpong(
-    out_desc, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, M, K: gl.constexpr, N: gl.constexpr,
-    G: gl.constexpr, HALF: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr,
-    BLOCK_R: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_G: gl.constexpr,
-):  # fmt: skip
-    """Ping-pong: the program's tiles HALF, HALF + 2, ... whole (128 out rows as two 64-row accumulators, both
-    of a's halves against b), so one consumer's epilogue and stores run under the other's steps. Each
-    consumer has its own half of the ring (see ``_loader``)."""
-    SUB_K: gl.constexpr = BLOCK_K // 2
-    NUM_STAGES: gl.constexpr = b_bufs.shape[0]
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    c_top = c_bufs.index(2 * HALF)
-    c_bottom = c_bufs.index(2 * HALF + 1)
-    SUB: gl.constexpr = NUM_STAGES // 2  # this consumer's ring: slots [HALF * SUB, HALF * SUB + SUB)
-    offs, starts, ends = _bounds(group_sizes_ptr, G, M, BLOCK_G)
-    total_tiles = G * gl.cdiv(K, BLOCK_K) * gl.cdiv(N, BLOCK_N)
-    j = 0  # steps this consumer took
-    t = 0  # this program's tiles so far
-    for tile in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
-        if t % 2 == HALF:
-            g, k0, n0, row_start, row_end = _locate(tile, offs, starts, ends, K, N, BLOCK_K, BLOCK_N, GROUP_M)
-            steps = gl.maximum(gl.cdiv(row_end - row_start, BLOCK_R), 1)
-            acc_top = gl.zeros([SUB_K, BLOCK_N], gl.float32, mma_layout)
-            acc_bottom = gl.zeros([SUB_K, BLOCK_N], gl.float32, mma_layout)
-            for r in range(steps):
-                slot = HALF * SUB + (j + r) % SUB
-                mbarrier.wait(ready.index(slot), ((j + r) // SUB) & 1)
-                b = b_bufs.index(slot)
-                acc_top = warpgroup_mma(a_bufs.index(2 * slot).permute((1, 0)), b, acc_top, is_async=True)
-                acc_bottom = warpgroup_mma(
-                    a_bufs.index(2 * slot + 1).permute((1, 0)), b, acc_bottom, is_async=True
-                )
-                # Step r - 1's two wgmma have drained once at most this step's two are in flight.
-                acc_top, acc_bottom = warpgroup_mma_wait(2, deps=[acc_top, acc_bottom])
-                if r > 0:
-                    release_slot(empty, HALF * SUB + (j + r - 1) % SUB)
-            acc_top, acc_bottom = warpgroup_mma_wait(0, deps=[acc_top, acc_bottom])
-            release_slot(empty, HALF * SUB + (j + steps - 1) % SUB)
-            j += steps
-            tma.store_wait(0)  # this consumer's stores of its tile before have read the staging tiles
-            c_top.store(acc_top.to(c_top.dtype))
-            c_bottom.store(acc_bottom.to(c_bottom.dtype))
-            fence_async_shared()
-            tma_store(out_desc, [g * K + k0, n0], c_top)
-            if k0 + SUB_K < K:  # Ka % 64 == 0: the bottom half is all in out[g] or all past it
-                tma_store(out_desc, [g * K + k0 + SUB_K, n0], c_bottom)
-        t += 1
-    tma.store_wait(0)
 
 
 @gluon.jit
@@ -285,7 +220,6 @@ def k_grouped_mm_ws_kernel(
     BLOCK_G: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     C_TILES: gl.constexpr,  # staging tiles: one per consumer, or one they take turns on (a deeper ring)
-    PINGPONG: gl.constexpr,  # consumers take whole tiles in turn (C_TILES == 4: two per consumer)
     CONSUMER_REGS: gl.constexpr,  # setmaxnreg of each consumer warpgroup; the loader gets the rest
 ):
     gl.static_assert(BLOCK_K == 128, "two consumer warpgroups of 64 out rows")
@@ -300,51 +234,31 @@ def k_grouped_mm_ws_kernel(
         dtype, [NUM_STAGES, BLOCK_R, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_N], dtype)
     )
     c_bufs = gl.allocate_shared_memory(out_desc.dtype, [C_TILES, HALF_K, BLOCK_N], out_desc.layout)
-    ready, empty = ring_barriers(NUM_STAGES, True, 1 if PINGPONG else 2)
+    ready, empty = ring_barriers(NUM_STAGES, True)
     c_turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(c_turn.index(i), count=1)
     # fmt: off
-    if PINGPONG:
-        gl.static_assert(C_TILES == 4, "two staging tiles per consumer")
-        gl.static_assert(NUM_STAGES % 2 == 0, "a ring half per consumer")
-        gl.warp_specialize(
-            [
-                (_loader, (
-                    a_ptr, b_ptr, group_sizes_ptr, a_bufs, b_bufs, ready, empty, M, K, N, G, stride_am, stride_bm,
-                    NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G, True,
-                )),
-                (_consumer_pingpong, (
-                    out_desc, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, M, K, N, G, 0,
-                    NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G,
-                )),
-                (_consumer_pingpong, (
-                    out_desc, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, M, K, N, G, 1,
-                    NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G,
-                )),
-            ],
-            [CONSUMER_WARPS, CONSUMER_WARPS],
-            [CONSUMER_REGS, CONSUMER_REGS],
-        )
-    else:
-        gl.warp_specialize(
-            [
-                (_loader, (
-                    a_ptr, b_ptr, group_sizes_ptr, a_bufs, b_bufs, ready, empty, M, K, N, G, stride_am, stride_bm,
-                    NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G, False,
-                )),
-                (_consumer, (
-                    out_desc, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, c_turn, M, K, N, G, 0,
-                    NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G,
-                )),
-                (_consumer, (
-                    out_desc, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, c_turn, M, K, N, G, 1,
-                    NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G,
-                )),
-            ],
-            [CONSUMER_WARPS, CONSUMER_WARPS],
-            [CONSUMER_REGS, CONSUMER_REGS],
-        )
+    gl.warp_specialize(
+        [
+            (_loader, (
+                a_ptr, b_ptr, group_sizes_ptr, a_bufs, b_bufs, ready, empty, M, K, N, G, stride_am, stride_bm,
+                NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G,
+            )),
+            (_consumer, (
+                out_desc, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, c_turn, M, K, N, G, 0,
+                NUM_PROGRAMS,
+                BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G,
+            )),
+            (_consumer, (
+                out_desc, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, c_turn, M, K, N, G, 1,
+                NUM_PROGRAMS,
+                BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G,
+            )),
+        ],
+        [CONSUMER_WARPS, CONSUMER_WARPS],
+        [CONSUMER_REGS, CONSUMER_REGS],
+    )
     # fmt: on
 
 
@@ -359,8 +273,7 @@ class KGroupedWsLaunch:
     @staticmethod
     def make(M: int, N: int, K: int, G: int, *, config, num_programs_cap: int) -> KGroupedWsLaunch:
         """N, K: out[g]'s columns and rows; config: ``configs.WsConfig`` (block_n, block_k = the row step
-        BLOCK_R, num_stages, group_m, consumer_regs, pingpong); num_programs_cap: the SM count (one CTA per
-        SM). Raises ValueError where the ring and the staging tiles do not fit in shared memory."""
+        BLOCK_R, num_stages, group_m, consumer_regs); num_programs_cap: the SM count (one CTA per SM)."""
         tiles = G * triton.cdiv(K, BLOCK_K) * triton.cdiv(N, config.block_n)
         ring = config.num_stages * config.block_k * (BLOCK_K + config.block_n) * 2
         staging = (BLOCK_K // 2) * config.block_n * 2
@@ -372,16 +285,10 @@ class KGroupedWsLaunch:
             GROUP_M=config.group_m,
             BLOCK_G=max(16, triton.next_power_of_2(G)),
             NUM_STAGES=config.num_stages,
-            # Ping-pong: two staging tiles per consumer (a whole tile each). Else a staging tile per consumer
-            # where it fits beside the ring, or one they take turns on.
-            C_TILES=4 if config.pingpong else 2 if ring + 2 * staging <= SHARED_BYTES else 1,
-            PINGPONG=config.pingpong,
+            # A staging tile per consumer where it fits beside the ring, else one they share.
+            C_TILES=2 if ring + 2 * staging <= SHARED_BYTES else 1,
             CONSUMER_REGS=config.consumer_regs,
             num_warps=LOADER_WARPS,
             maxnreg=MAXNREG,
         )
-        if ring + meta["C_TILES"] * staging > SHARED_BYTES:
-            raise ValueError(
-                f"k_grouped_ws: {config} needs {ring + meta['C_TILES'] * staging} bytes of shared memory"
-            )
         return KGroupedWsLaunch(grid=(meta["NUM_PROGRAMS"],), meta=meta)

@@ -70,13 +70,13 @@ def _m_grouped_ws(w_k_contiguous: bool, tma: bool):
     return m_grouped_ws.m_grouped_mm_ws_kernel, launch.meta, pointers
 
 
-def _k_grouped_ws(num_stages: int | None = None, **changes):
+def _k_grouped_ws(num_stages: int | None = None):
     """The warp-specialized BF16 wgrad at gpt-oss-20b's sizes (out [32, 2880, 2880]), its table config (or
     that config with another ring depth: 3 slots leave room for a staging tile per consumer)."""
     Gw, Mw, Kw, Nw = 32, 16384, 2880, 2880
     config = configs.candidates("k_grouped_ws", "sm90")[0]
     if num_stages is not None:
-        config = dataclasses.replace(config, num_stages=num_stages, **changes)
+        config = dataclasses.replace(config, num_stages=num_stages)
     launch = k_grouped_ws.KGroupedWsLaunch.make(Mw, Nw, Kw, Gw, config=config, num_programs_cap=132)
     x = torch.empty(16, 16, dtype=torch.bfloat16)  # only its dtype and alignment matter here
     pointers = {
@@ -256,7 +256,6 @@ KERNELS = {
     "m_grouped_fp8_ws": _m_grouped_fp8_ws,
     "k_grouped_ws": _k_grouped_ws,
     "k_grouped_ws-3-slots": lambda: _k_grouped_ws(3),
-    "k_grouped_ws-pingpong": lambda: _k_grouped_ws(4, block_n=128, pingpong=True),
     "k_grouped_fp8_ws": _k_grouped_fp8_ws,
 }
 
