@@ -360,6 +360,24 @@ class TestKGroupedWs(KGroupedTest):
         one hot expert, a half tile past K (K 64, 192), N tails inside a 256-column tile."""
         self.check(sum(sizes), K, N, sizes, seed=len(sizes) + K)
 
+    @pytest.mark.parametrize("stages", [4, 3], ids=["4-slots-shared-staging", "3-slots"])
+    def test_many_tiles_per_program(self, monkeypatch, stages):
+        """More tiles than SMs (320: two or three a program), so the ring wraps across tiles and, with 4 slots,
+        the consumers hand their one staging tile over from tile to tile; with 3 each has its own. A half
+        tile past K (576), an N tail (2000), empty and one-row groups among long ones."""
+        if not self.ws_here:
+            pytest.skip("the kernel's protocol across tiles; without an sm90 GPU the Triton kernel runs")
+        import dataclasses
+
+        from moegemm import configs
+        from moegemm.torch import _launch
+
+        config = dataclasses.replace(configs.candidates("k_grouped_ws", "sm90")[0], num_stages=stages)
+        monkeypatch.setattr(configs, "pick_k_ws_config", lambda **kw: config)
+        _launch.clear_launch_cache()
+        sizes = [300, 0, 517, 64, 1024, 1, 700, 1490]
+        self.check(sum(sizes), 576, 2000, sizes, seed=11)
+
     def test_fp16_and_rows_past_the_groups(self):
         """fp16, and rows after the last group (owned by none) that must not enter any group's sum."""
         M, K, N = 300, 128, 72
