@@ -15,9 +15,11 @@ Partitions (ring protocol in ``moegemm.kernels.gluon_hopper``):
   rows), and issues three bulk copies a step into the ring: a's [BLOCK_R, 64] column halves and b's
   [BLOCK_R, BLOCK_N] rows. Descriptors need Triton's global scratch (the front end's allocator).
 - two consumer warpgroups: out rows [k0 + 64 h, k0 + 64 h + 64) of every tile, wgmma with a's half read
-  transposed from shared memory and one wgmma in flight; a finished half tile goes to its own staging tile
-  and leaves through a TMA store over out's 2-D view [G * Ka, Nb] (Ka % 64 == 0: a half tile's rows are all
-  in out[g] or all past it), which runs under the next tile's steps.
+  transposed from shared memory and one wgmma in flight; a finished half tile goes through a staging tile
+  and leaves by a TMA store over out's 2-D view [G * Ka, Nb] (Ka % 64 == 0: a half tile's rows are all in
+  out[g] or all past it), which runs under the next tile's steps. With 3 slots each consumer has its own
+  staging tile; the table's 4 slots (192 KB) leave room for one, which the consumers take in turns
+  (``c_turn``): the 4th slot is worth more than the turn costs (perf-notes 29: +4.5% over 3 slots).
 Tiles are ``(g, k_tile, n_tile)``, a group's consecutive (``schedule.swizzle_tile`` inside it); every partition
 walks the same sequence, so ring slots and phases agree without messages. An empty group's tile takes one
 step at the descriptor's extent (zeros) and stores zeros.
