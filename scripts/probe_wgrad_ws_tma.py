@@ -23,7 +23,7 @@ from moegemm.kernels import k_grouped_ws
 LOG = os.path.join(os.environ.get("OUT", "."), "wgrad_ws_tma.jsonl")
 
 
-def launch(a, b, group_sizes, out, stages: int = 3, rows: int = 64, module=k_grouped_ws) -> None:
+def launch(a, b, group_sizes, out, stages: int = 3, rows: int = 64, module=k_grouped_ws, **changes) -> None:
     """out [G, Ka, Nb] = for g: a[rows(g)]^T @ b[rows(g)] (2-byte, contiguous, Ka % 64 == 0) on the kernel
     (``module``: the src one, or an earlier version of its file to compare against)."""
     from moegemm.kernels.gluon_hopper import TensorDescriptor, gl
@@ -33,7 +33,7 @@ def launch(a, b, group_sizes, out, stages: int = 3, rows: int = 64, module=k_gro
     Nb = b.shape[1]
     G = out.shape[0]
     config = dataclasses.replace(
-        configs.candidates("k_grouped_ws", "sm90")[0], num_stages=stages, block_k=rows
+        configs.candidates("k_grouped_ws", "sm90")[0], num_stages=stages, block_k=rows, **changes
     )
     run = module.KGroupedWsLaunch.make(M, Nb, Ka, G, config=config, num_programs_cap=132)
     _ensure_allocator()
@@ -100,16 +100,19 @@ def main() -> int:
     from moegemm import shapes
     from moegemm.torch import _launch
 
-    def variant_fn(
-        variant,
-    ):  # "3": 3 slots of 64 rows; "6r32": 6 slots of 32 rows; "prev4": the earlier file's kernel
+    def variant_fn(variant):
+        """ "3": 3 slots of 64 rows; "6r32": 6 slots of 32 rows; "6n128": 6 slots, 128 x 128 tiles; "prev4": the
+        earlier file's kernel (scripts/k_grouped_ws_prev.py, written for the run)."""
         module = k_grouped_ws
         if variant.startswith("prev"):
             import k_grouped_ws_prev as module  # written next to this script for the run
 
             variant = variant[4:]
+        variant, _, block_n = variant.partition("n")
         stages, _, rows = variant.partition("r")
-        return functools.partial(launch, stages=int(stages), rows=int(rows or 64), module=module)
+        return functools.partial(
+            launch, stages=int(stages), rows=int(rows or 64), module=module, block_n=int(block_n or 256)
+        )
 
     for variant in args.stages.split(","):
         for row in check_edges(variant_fn(variant)):

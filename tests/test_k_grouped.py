@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import pytest
 import torch
 from conftest import DEVICE, flat_configs, record_launches, spy_store_paths
@@ -367,8 +370,6 @@ class TestKGroupedWs(KGroupedTest):
         tile past K (576), an N tail (2000), empty and one-row groups among long ones."""
         if not self.ws_here:
             pytest.skip("the kernel's protocol across tiles; without an sm90 GPU the Triton kernel runs")
-        import dataclasses
-
         from moegemm import configs
         from moegemm.torch import _launch
 
@@ -415,6 +416,13 @@ def test_k_ws_rule():
     assert pick(G=32, M=32 * low + 1, N=2880, K=2880) is not None
     ok = dict(Ka=2880, Nb=2880, itemsize=2, row_strides=(2880, 2880), M=16384)
     assert k_grouped_ws.supported_problem(**ok) == k_grouped_ws.supported()
+    # Staging tiles: one per consumer beside 3 slots, one shared beside 4; 5 slots of 48 KB do not fit at all.
+    make = functools.partial(k_grouped_ws.KGroupedWsLaunch.make, 16384, 2880, 2880, 32, num_programs_cap=132)
+    table = configs.candidates("k_grouped_ws", "sm90")[0]
+    assert make(config=dataclasses.replace(table, num_stages=3)).meta["C_TILES"] == 2
+    assert make(config=dataclasses.replace(table, num_stages=4)).meta["C_TILES"] == 1
+    with pytest.raises(ValueError, match="shared memory"):
+        make(config=dataclasses.replace(table, num_stages=5))
     for bad in (
         dict(Ka=2848),
         dict(Nb=2884),

@@ -185,9 +185,8 @@ def _consumer(
         acc = warpgroup_mma_wait(0, deps=[acc])
         release_slot(empty, (step + NUM_STAGES - 1) % NUM_STAGES)
         row_out = k0 + HALF * SUB_K
-        if (
-            C_TILES == 1
-        ):  # HALF 0 waits for HALF 1's store of the tile before, HALF 1 for HALF 0's of this one
+        # One staging tile: HALF 0 waits for HALF 1's store of the tile before, HALF 1 for HALF 0's of this one.
+        if C_TILES == 1:
             mbarrier.wait(c_turn.index(HALF), (t & 1) ^ (1 - HALF))
         else:
             tma.store_wait(0)  # the previous tile's copy has read the staging tile
@@ -249,13 +248,11 @@ def k_grouped_mm_ws_kernel(
             )),
             (_consumer, (
                 out_desc, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, c_turn, M, K, N, G, 0,
-                NUM_PROGRAMS,
-                BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G,
+                NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G,
             )),
             (_consumer, (
                 out_desc, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, c_turn, M, K, N, G, 1,
-                NUM_PROGRAMS,
-                BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G,
+                NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G,
             )),
         ],
         [CONSUMER_WARPS, CONSUMER_WARPS],
@@ -275,7 +272,9 @@ class KGroupedWsLaunch:
     @staticmethod
     def make(M: int, N: int, K: int, G: int, *, config, num_programs_cap: int) -> KGroupedWsLaunch:
         """N, K: out[g]'s columns and rows; config: ``configs.WsConfig`` (block_n, block_k = the row step
-        BLOCK_R, num_stages, group_m, consumer_regs); num_programs_cap: the SM count (one CTA per SM)."""
+        BLOCK_R, num_stages, group_m, consumer_regs); num_programs_cap: the SM count (one CTA per SM). Raises
+        ValueError where the ring and one staging tile do not fit in shared memory (a tuned-cache entry can
+        name any config)."""
         tiles = G * triton.cdiv(K, BLOCK_K) * triton.cdiv(N, config.block_n)
         ring = config.num_stages * config.block_k * (BLOCK_K + config.block_n) * 2
         staging = (BLOCK_K // 2) * config.block_n * 2
@@ -293,4 +292,9 @@ class KGroupedWsLaunch:
             num_warps=LOADER_WARPS,
             maxnreg=MAXNREG,
         )
+        if ring + meta["C_TILES"] * staging > SHARED_BYTES:
+            raise ValueError(
+                f"k_grouped_ws: {config} needs {ring + staging} bytes of shared memory (ring and one staging "
+                f"tile), more than the {SHARED_BYTES} a CTA has"
+            )
         return KGroupedWsLaunch(grid=(meta["NUM_PROGRAMS"],), meta=meta)
