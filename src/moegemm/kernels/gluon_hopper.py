@@ -30,6 +30,9 @@ try:
     async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
     # Likewise tma.async_copy_global_to_shared -> tma.async_load (desc, coord, barrier, smem).
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    # And gl.thread_barrier -> gl.barrier (3.9 has only the latter; both are one CTA-level barrier, which inside
+    # a warp_specialize partition syncs that partition's warps).
+    thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     IMPORT_ERROR = None
 except ImportError as e:  # a Triton without (this version of) Gluon's Hopper API
 
@@ -46,7 +49,7 @@ except ImportError as e:  # a Triton without (this version of) Gluon's Hopper AP
 
     gluon = gl = _NoGluon()
     cp = async_load = fence_async_shared = mbarrier = warpgroup_mma = warpgroup_mma_wait = None
-    tma = tma_load = TensorDescriptor = None
+    tma = tma_load = TensorDescriptor = thread_barrier = None
     IMPORT_ERROR = e
 
 __all__ = [
@@ -68,6 +71,7 @@ __all__ = [
     "supported",
     "TensorDescriptor",
     "tma",
+    "thread_barrier",
     "tma_load",
     "warpgroup_mma",
     "wait_slot_free",

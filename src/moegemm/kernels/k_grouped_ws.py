@@ -43,6 +43,7 @@ from moegemm.kernels.gluon_hopper import (
     ring_barriers,
     sched_layout,
     supported,
+    thread_barrier,
     tma,
     tma_load,
     wait_slot_free,
@@ -142,7 +143,7 @@ def _loader(
 def _hand_over(c_turn, HALF: gl.constexpr):
     """Shared staging tile: this consumer's last TMA store has read it, so the other one may write it."""
     tma.store_wait(0)
-    gl.thread_barrier()  # the store's issuing thread waited; the arrive may come from another
+    thread_barrier()  # the store's issuing thread waited; the arrive may come from another
     mbarrier.arrive(c_turn.index(1 - HALF), count=1)
 
 
