@@ -51,12 +51,11 @@ from moegemm.kernels.gluon_hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from moegemm.kernels.schedule import clamped_group_bounds, pick, swizzle_tile
+from moegemm.kernels.schedule import clamped_group_bounds, pick, sm90_shared_fits, swizzle_tile
 
 __all__ = ["BLOCK_K", "KGroupedWsLaunch", "k_grouped_mm_ws_kernel", "supported", "supported_problem"]
 
 BLOCK_K = 128  # out rows per tile: two consumer warpgroups of 64
-SHARED_BYTES = 227 * 1024 - 1024  # sm90's opt-in shared memory a CTA, less room for the barriers
 # triton 3.9 turned tma.async_copy_shared_to_global into a stub that raises; async_store takes its place.
 tma_store = (getattr(tma, "async_store", None) or tma.async_copy_shared_to_global) if supported() else None
 
@@ -288,14 +287,14 @@ class KGroupedWsLaunch:
             BLOCK_G=max(16, triton.next_power_of_2(G)),
             NUM_STAGES=config.num_stages,
             # A staging tile per consumer where it fits beside the ring, else one they share.
-            C_TILES=2 if ring + 2 * staging <= SHARED_BYTES else 1,
+            C_TILES=2 if sm90_shared_fits(ring + 2 * staging, 1) else 1,
             CONSUMER_REGS=config.consumer_regs,
             num_warps=LOADER_WARPS,
             maxnreg=MAXNREG,
         )
-        if ring + meta["C_TILES"] * staging > SHARED_BYTES:
+        if not sm90_shared_fits(ring + meta["C_TILES"] * staging, 1):
             raise ValueError(
                 f"k_grouped_ws: {config} needs {ring + staging} bytes of shared memory (ring and one staging "
-                f"tile), more than the {SHARED_BYTES} a CTA has"
+                "tile), more than one sm90 CTA gets"
             )
         return KGroupedWsLaunch(grid=(meta["NUM_PROGRAMS"],), meta=meta)
