@@ -83,12 +83,16 @@ VARIANTS = {  # name: (TMA loads, config override: None for the launcher's pick,
     "cp-uniform": (False, None, False),
     "tma-uniform": (True, None, False),
     "tma-uniform-aa": (True, None, False),  # the same launch again: the A/A control of the paired clock
+    # The last round's tiles split in half-high halves (configs.TAIL_SPLIT, perf-notes 30) off.
+    "tma-whole": (True, None, True, False),
+    "tma-whole-aa": (True, None, True, False),
 }
 
 
 def switch(variant: str) -> None:
-    tma, override, *mixed = VARIANTS[variant]
-    configs.MIXED_M = mixed[0] if mixed else True
+    tma, override, *flags = VARIANTS[variant]
+    configs.MIXED_M = flags[0] if flags else True
+    configs.TAIL_SPLIT = flags[1] if len(flags) > 1 else True
     _launch.TMA_LOAD = tma
     if override is None:
         configs.pick_config = PICK
@@ -164,6 +168,9 @@ def main() -> int:
                     meta = _launch._m_launch(*SPECS[-1]).meta
                     row[f"{variant}_took_tma"] = meta["TMA_LOAD"]
                     row[f"{variant}_mixed_m"] = meta["MIXED_M"]
+                    row[f"{variant}_tail_split"] = meta["TAIL_SPLIT"]
+                    row[f"{variant}_programs"] = meta["NUM_PROGRAMS"]
+                    row[f"{variant}_block_m"] = meta["BLOCK_M"]
                     row[f"{variant}_relerr"] = err = relerr(out, want)
                     if not err < 1e-2:
                         row[f"{variant}_error"] = "relerr above 1e-2"
@@ -179,11 +186,13 @@ def main() -> int:
                 for variant in fns:
                     if variant not in ("torch", "cp"):
                         row[f"{variant}_over_cp"] = row["cp_ms"] / row[f"{variant}_ms"]
-            for variant in fns:  # mixed tile heights over every tile full height, same loads
+            for variant in fns:  # mixed tile heights over every tile full height; split tail over whole
                 if f"{variant}-uniform_ms" in row:
                     row[f"{variant}_over_uniform"] = row[f"{variant}-uniform_ms"] / row[f"{variant}_ms"]
+                if f"{variant}-whole_ms" in row:
+                    row[f"{variant}_over_whole"] = row[f"{variant}-whole_ms"] / row[f"{variant}_ms"]
             record(**row)
-    switch("cp")
+    switch("tma")
     return 0
 
 

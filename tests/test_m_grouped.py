@@ -245,8 +245,8 @@ class TestMGroupedTritonRegisterStore(MGroupedTest):
 
 
 class TestMGroupedTritonUniformM(MGroupedTest):
-    """Every row tile BLOCK_M high (MOEGEMM_MIXED_M=0): no half-high tail tiles. A spy fails any test whose
-    launch had them on."""
+    """Every row tile BLOCK_M high (MOEGEMM_MIXED_M=0, MOEGEMM_TAIL_SPLIT=0): no half-high tiles. A spy
+    fails any test whose launch had them on."""
 
     BACKEND = "triton"
     pytestmark = pytest.mark.gpu
@@ -257,10 +257,13 @@ class TestMGroupedTritonUniformM(MGroupedTest):
         from moegemm.torch import _launch
 
         monkeypatch.setattr(configs, "MIXED_M", False)
+        monkeypatch.setattr(configs, "TAIL_SPLIT", False)
         _launch.clear_launch_cache()
         self.calls = record_launches(monkeypatch, "m_grouped")
         yield
-        assert not any(_launch._m_launch(*spec).meta["MIXED_M"] for _, spec in self.calls)
+        for _, spec in self.calls:
+            meta = _launch._m_launch(*spec).meta
+            assert not meta["MIXED_M"] and not meta["TAIL_SPLIT"]
         _launch.clear_launch_cache()
 
 
@@ -305,6 +308,76 @@ def test_mixed_m_half_tiles_match_full_tiles(monkeypatch, layout, tma):
     assert_rel_close(outs[True].cpu(), outs[False].cpu(), torch.bfloat16, what="mixed vs uniform")
     if DEVICE != "cpu":
         assert torch.equal(outs[True], outs[False])
+
+
+def m_tiles_total(sizes: list[int], M: int, block_m: int, n_tiles: int) -> int:
+    """Tiles of an m-grouped launch without a group offset, as m_grouped_mm_kernel lays them out: each
+    group's row tiles, then the unowned rows' (zero-filled), times the column tiles."""
+    return (sum(-(-s // block_m) for s in sizes) + -(-(M - sum(sizes)) // block_m)) * n_tiles
+
+
+@pytest.mark.parametrize("layout", ["transpose_w", "k-major"])
+@pytest.mark.parametrize("tma", [False, True], ids=["cp-async", "tma-load"])
+def test_tail_split_halves_match_whole_tiles(monkeypatch, layout, tma):
+    """TAIL_SPLIT: the last, partial round's tiles run as two half-high halves each. The programs count is
+    set so that round holds (by column tiles) the unowned rows' zero tile; also a group's 1-row last tile;
+    also a full tile and a group's BLOCK_M / 2 - 1-row last tile (an empty lower half); and, on a launch of
+    many empty groups, every tile (less than one round). Each launch must have TAIL_SPLIT on and a
+    programs count under which the kernel's rule splits (2 x tail <= NUM_PROGRAMS), write every element of
+    a NaN-poisoned out (unowned rows 0), match the oracle and, on a GPU, the whole-tile launch bitwise
+    (whether the rule split is not visible in out: the halves compute what the whole tile would)."""
+    from moegemm import configs
+    from moegemm.torch import _launch
+
+    monkeypatch.setattr(_launch, "TMA_LOAD", tma)
+    monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", 0)
+    target, device_name, _ = _launch._target(torch.device(DEVICE))
+    default = configs.candidates("m_grouped", target)[0]
+    inner = configs.pick_config
+    monkeypatch.setattr(
+        configs, "pick_config", lambda op, *a, **kw: default if op == "m_grouped" else inner(op, *a, **kw)
+    )
+    calls = record_launches(monkeypatch, "m_grouped")
+    bm, half = default.block_m, default.block_m // 2
+    K, N = 96, 80  # 16-element rows: half_tiles_fit
+    n_tiles = -(-N // default.block_n)
+    rounds = [3 * bm, bm - 1, 2 * bm + half + 1, bm + half, half - 1, 0, bm + 1]
+    sparse = [0, half - 1, 0, 0, bm - 1, 0, 0, 0]
+    scenarios = [(rounds, tail * n_tiles) for tail in (1, 2, 4)] + [(sparse, None)]
+    for sizes, tail in scenarios:
+        M = sum(sizes) + 5
+        total = m_tiles_total(sizes, M, bm, n_tiles)
+        # One whole round of total - tail programs leaves `tail` tiles; None: more programs than tiles (the
+        # launch caps them at its bound on the tile count, which is at least twice the tiles here).
+        programs = total - tail if tail is not None else 1 << 20
+        x, w = make_inputs(M, K, N, len(sizes), torch.bfloat16, layout, seed=len(sizes) + (tail or 0))
+        if layout == "transpose_w":
+            w, transpose_w = w.mT, True  # the [G, N, K] storage, as the autograd forward passes it
+        else:
+            transpose_w = False
+        b = (torch.randn(len(sizes), N) + 3).to(dtype=torch.bfloat16, device=DEVICE)
+        gs = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
+        monkeypatch.setattr(_launch, "_target", lambda device, p=programs: (target, device_name, p))
+        what = f"tail split {layout} {tma} sizes {sizes} tail {tail}"
+        outs = {}
+        for split in (True, False):
+            monkeypatch.setattr(configs, "TAIL_SPLIT", split)
+            _launch.clear_launch_cache()
+            out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+            _launch.launch_m_grouped(x, w, gs, out, bias=b, transpose_w=transpose_w)
+            meta = _launch._m_launch(*calls[-1][1]).meta
+            assert meta["TAIL_SPLIT"] == split, what
+            launched = meta["NUM_PROGRAMS"]
+            assert (launched == programs and 2 * tail <= programs) or (tail is None and 2 * total <= launched)
+            outs[split] = out
+        assert not outs[True].isnan().any(), what
+        assert torch.equal(outs[True][sum(sizes) :].cpu(), torch.zeros(5, N, dtype=torch.bfloat16)), what
+        assert_rel_close(
+            outs[True].cpu(), want(x, w.mT if transpose_w else w, sizes, b), torch.bfloat16, what=what
+        )
+        if DEVICE != "cpu":
+            assert torch.equal(outs[True], outs[False]), what
+    _launch.clear_launch_cache()
 
 
 def test_mixed_m_rule():

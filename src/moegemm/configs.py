@@ -110,6 +110,11 @@ class QuantizeConfig:
 # it off. Read when a launch is first described (clear the front end's launch cache after changing it).
 MIXED_M = os.environ.get("MOEGEMM_MIXED_M", "1") != "0"
 
+# The m-grouped kernel's last, partial round of tiles split into half-high halves on twice as many programs
+# where no program then runs two (m_grouped_mm_kernel, perf-notes 30); same fit as MIXED_M without its
+# bound on K. MOEGEMM_TAIL_SPLIT=0 turns it off; read like MIXED_M.
+TAIL_SPLIT = os.environ.get("MOEGEMM_TAIL_SPLIT", "1") != "0"
+
 M, K = MGroupedConfig, KGroupedConfig
 TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
     ("m_grouped", "interpret"): [

@@ -159,6 +159,7 @@ def m_grouped_mm_call(
         w_k_contiguous=stride_wk == 1 and stride_wn != 1,
         g_total=g_total,
         mixed_m=configs.MIXED_M,
+        tail_split=configs.TAIL_SPLIT,
     )
     sizes = dict(
         M=M,

@@ -184,6 +184,7 @@ def m_grouped_mm_kernel(
     TMA_STORE: tl.constexpr,  # store tiles whose rows are all owned through out_desc (bulk async copies)
     TMA_LOAD: tl.constexpr,  # load x and w through TMA descriptors the kernel makes once per program
     MIXED_M: tl.constexpr,  # a tile with at most BLOCK_M // 2 rows left in its group runs BLOCK_M // 2 high
+    TAIL_SPLIT: tl.constexpr,  # the last, partial round's tiles run as two BLOCK_M // 2 high halves each
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot is wrong on bf16 operands
     PRECISION: tl.constexpr,
 ):
@@ -220,21 +221,51 @@ def m_grouped_mm_kernel(
         x_desc = x_ptr
         x_desc_half = x_ptr
         w_desc = w_ptr
-    for tile in range(pid, total_tiles, NUM_PROGRAMS):
+    # The work items: tiles, except that with TAIL_SPLIT the last, partial round's tiles (``tail`` of them,
+    # after ``full`` tiles of whole rounds) run as two half-high items each where that leaves no program
+    # with two (perf-notes 30): a round that would keep ``tail`` SMs busy for a whole tile time keeps twice
+    # as many busy for about half of it.
+    full = total_tiles
+    n_work = total_tiles
+    if TAIL_SPLIT:
+        tail = total_tiles % NUM_PROGRAMS
+        if 2 * tail <= NUM_PROGRAMS:
+            full = total_tiles - tail
+            n_work = total_tiles + tail
+    for work in range(pid, n_work, NUM_PROGRAMS):
+        tile = work
+        lower = False  # the second half of a split tile: rows [row0 + HALF_M, row0 + BLOCK_M)
+        if TAIL_SPLIT:
+            tile = tl.where(work < full, work, full + (work - full) // 2)
+            lower = (work >= full) & ((work - full) % 2 == 1)
         g, m_tile, n_tile, row0, row_end, _ = locate_row_tile(
             tile, offs, starts, ends, m_tiles, tile_ends, n_tiles, BLOCK_M, GROUP_M
         )
         col0 = n_tile * BLOCK_N
-        if MIXED_M and row_end - row0 <= HALF_M:
-            # A group's last row tile with at most half its rows left (perf-notes 27): the half-high tile
-            # does half the MMA work of the full one, most of which would have been on rows it never
-            # stores. It takes the masked store (out_desc's block is BLOCK_M high).
-            _m_tile(
-                x_ptr, w_ptr, x_desc_half, w_desc, bias_ptr, out_desc, out_ptr, g, row0, row_end, col0, N, K,
-                G, stride_xm, stride_xk, stride_wg, stride_wk, stride_wn, stride_om, stride_on, stride_bg,
-                stride_bn, HALF_M, BLOCK_N, BLOCK_K, EVEN_K, W_K_CONTIGUOUS, HAS_BIAS, WIDE_OFFSETS, False,
-                TMA_LOAD, UPCAST, PRECISION,
-            )  # fmt: skip
+        if lower:
+            row0 += HALF_M
+        # A half-high tile: half of a split tail tile, or (MIXED_M, perf-notes 27) a group's last row tile
+        # with at most half its rows left, where the full tile's MMA work would mostly be on rows it never
+        # stores. One call site for both: with two, the sm_90a compile of the mixed-height forward took
+        # 245 760 bytes of shared memory instead of 147 456 (more than an SM has). It takes the masked store
+        # (out_desc's block is BLOCK_M high); an empty lower half (its group had at most HALF_M rows left)
+        # does nothing.
+        if TAIL_SPLIT and MIXED_M:
+            half = (work >= full) | (row_end - row0 <= HALF_M)
+        elif TAIL_SPLIT:
+            half = work >= full
+        elif MIXED_M:
+            half = row_end - row0 <= HALF_M
+        else:
+            half = False
+        if half:
+            if row0 < row_end:
+                _m_tile(
+                    x_ptr, w_ptr, x_desc_half, w_desc, bias_ptr, out_desc, out_ptr, g, row0, row_end, col0, N,
+                    K, G, stride_xm, stride_xk, stride_wg, stride_wk, stride_wn, stride_om, stride_on,
+                    stride_bg, stride_bn, HALF_M, BLOCK_N, BLOCK_K, EVEN_K, W_K_CONTIGUOUS, HAS_BIAS,
+                    WIDE_OFFSETS, False, TMA_LOAD, UPCAST, PRECISION,
+                )  # fmt: skip
         else:
             _m_tile(
                 x_ptr, w_ptr, x_desc, w_desc, bias_ptr, out_desc, out_ptr, g, row0, row_end, col0, N, K, G,
@@ -242,7 +273,7 @@ def m_grouped_mm_kernel(
                 stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_K_CONTIGUOUS, HAS_BIAS, WIDE_OFFSETS,
                 TMA_STORE, TMA_LOAD, UPCAST, PRECISION,
             )  # fmt: skip
-        if HAS_GROUP_OFFSET:
+        if HAS_GROUP_OFFSET and not lower:  # a split tile's zero tiles go with its first half
             zero_begin = tile * zero_per_tile
             store_zero_tiles(
                 out_ptr, zero_begin, tl.minimum(zero_begin + zero_per_tile, zero_tiles), first_row, local_end,
@@ -283,11 +314,11 @@ def tma_load_fits(K: int, block_k: int, w_k_contiguous: bool) -> bool:
 MIXED_M_MAX_K = 4095
 
 
-def mixed_m_fits(block_m: int, K: int, N: int, interpret: bool) -> bool:
-    """Whether a launch runs half-high tail tiles (MIXED_M): on the GPU a 128-row tile (its half, 64
-    rows, is the wgmma height of a warpgroup), K <= MIXED_M_MAX_K, and K and N multiples of 16 (the
-    caller also checks that x's, w's and out's rows are 16-element aligned); the interpreter any tile (its
-    configs are 32 high), so that CI runs both paths.
+def half_tiles_fit(block_m: int, K: int, N: int, interpret: bool) -> bool:
+    """Whether a launch may run BLOCK_M // 2 high tiles at all (MIXED_M, TAIL_SPLIT): on the GPU a 128-row
+    tile (its half, 64 rows, is the wgmma height of a warpgroup) with K and N multiples of 16 (the caller
+    also checks that x's, w's and out's rows are 16-element aligned); the interpreter any tile (its configs
+    are 32 high), so that CI runs both paths.
 
     Why the alignment: with rows Triton cannot vectorize (K = 31, N = 17, bias, K-contiguous w) the H100
     computed wrong half-high tiles (perf-notes 27; the interpreter was right, and so was every 16-aligned
@@ -295,7 +326,13 @@ def mixed_m_fits(block_m: int, K: int, N: int, interpret: bool) -> bool:
     would gain nothing there."""
     if interpret:
         return block_m >= 32
-    return block_m >= 128 and K <= MIXED_M_MAX_K and K % 16 == 0 and N % 16 == 0
+    return block_m >= 128 and K % 16 == 0 and N % 16 == 0
+
+
+def mixed_m_fits(block_m: int, K: int, N: int, interpret: bool) -> bool:
+    """Whether a launch runs a group's last row tile half high where at most half its rows are left
+    (MIXED_M): where half-high tiles fit (``half_tiles_fit``) and, on the GPU, K <= MIXED_M_MAX_K."""
+    return half_tiles_fit(block_m, K, N, interpret) and (interpret or K <= MIXED_M_MAX_K)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,6 +360,7 @@ class MGroupedLaunch:
         tma_store: bool = False,
         tma_load: bool = False,
         mixed_m: bool = False,
+        tail_split: bool = False,
     ) -> MGroupedLaunch:
         """max_stride: the largest row/column stride of x, w[g] and out (default: contiguous, max(K, N)).
         Element offsets inside one tile or one expert's K range are int32 unless they could overflow.
@@ -338,6 +376,8 @@ class MGroupedLaunch:
         mixed_m: a group's last row tile may run BLOCK_M // 2 high where at most that many rows are left (the
         caller checked that x's, w's and out's rows are 16-element aligned); used where that measured faster
         (``mixed_m_fits``).
+        tail_split: the last, partial round of tiles may run as half-high halves on twice as many programs
+        (same caller check as mixed_m; used where half-high tiles fit, ``half_tiles_fit``).
         """
         bm, bn = config.block_m, config.block_n
         max_stride = max(K, N) if max_stride is None else max_stride
@@ -362,6 +402,7 @@ class MGroupedLaunch:
             TMA_STORE=tma_store and tma_store_fits(config, 4 if fp32_inputs else 2),
             TMA_LOAD=tma_load and not fp32_inputs and tma_load_fits(K, config.block_k, w_k_contiguous),
             MIXED_M=mixed_m and mixed_m_fits(bm, K, N, interpret),
+            TAIL_SPLIT=tail_split and half_tiles_fit(bm, K, N, interpret),
             UPCAST=interpret,
             PRECISION="ieee" if fp32_inputs or interpret else "tf32",
             num_warps=config.num_warps,

@@ -134,17 +134,22 @@ def _m_grouped(
     w_k_contiguous: bool = True,
     mixed_m: bool = False,
     K: int = K,
+    tail_split: bool = True,
 ):
     """The BF16 forward (the nn.Linear weight read K-contiguous) or dgrad (N-contiguous), with bias (the
-    default config unless given); ``mixed_m``: with half-high tail tiles (at a K that has them)."""
+    default config unless given); ``mixed_m``: with half-high tail tiles (at a K that has them);
+    ``tail_split``: with the last round's tiles split in half-high halves where the config has them (as
+    every launch with 16-element aligned rows)."""
     config = config or configs.candidates("m_grouped", "sm90")[0]
     launch = m_grouped.MGroupedLaunch.make(
         M, N, K, G, config=config, num_programs_cap=132, fp32_inputs=False, interpret=False,
         w_k_contiguous=w_k_contiguous, has_bias=True, tma_store=tma_store, tma_load=tma_load, mixed_m=mixed_m,
+        tail_split=tail_split,
     )  # fmt: skip
     assert launch.meta["TMA_STORE"] == tma_store, config
     assert launch.meta["TMA_LOAD"] == tma_load, config
     assert launch.meta["MIXED_M"] == mixed_m, (config, K)
+    assert launch.meta["TAIL_SPLIT"] == (tail_split and m_grouped.half_tiles_fit(config.block_m, K, N, False))
     pointers = {
         "x_ptr": "*bf16", "w_ptr": "*bf16", "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32",
         "bias_ptr": "*bf16", "out_desc": "*bf16", "out_ptr": "*bf16",
@@ -220,6 +225,7 @@ _TMA_STORE_CANDIDATES = {
 
 KERNELS = {
     "m_grouped": _m_grouped,
+    "m_grouped-whole-tiles": lambda: _m_grouped(tail_split=False),
     # Half-high tail tiles (a K they run at): both loops of the kernel, cp.async, TMA loads and the TMA store.
     "m_grouped-mixed-m": lambda: _m_grouped(mixed_m=True, K=2048),
     "m_grouped-mixed-m-dgrad": lambda: _m_grouped(mixed_m=True, K=2048, w_k_contiguous=False),

@@ -118,6 +118,7 @@ def _m_launch(
         tma_store=tma_store and target in ("sm90", "interpret"),
         tma_load=tma_load and target in ("sm90", "interpret"),
         mixed_m=configs.MIXED_M and rows_aligned,
+        tail_split=configs.TAIL_SPLIT and rows_aligned,
     )
 
 
