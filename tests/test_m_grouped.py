@@ -316,6 +316,7 @@ def m_tiles_total(sizes: list[int], M: int, block_m: int, n_tiles: int) -> int:
     return (sum(-(-s // block_m) for s in sizes) + -(-(M - sum(sizes)) // block_m)) * n_tiles
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["transpose_w", "k-major"])
 @pytest.mark.parametrize("tma", [False, True], ids=["cp-async", "tma-load"])
 def test_tail_split_halves_match_whole_tiles(monkeypatch, layout, tma):
