@@ -86,6 +86,9 @@ VARIANTS = {  # name: (TMA loads, config override: None for the launcher's pick,
     # The last round's tiles split in half-high halves (configs.TAIL_SPLIT, perf-notes 30) off.
     "tma-whole": (True, None, True, False),
     "tma-whole-aa": (True, None, True, False),
+    # One flat loop over every step of a program's tiles (configs.M_FLAT): uniform tiles, register store.
+    "tma-flat": (True, None, True, True, True),
+    "tma-aa": (True, None),  # the launcher's pick again: the A/A control
 }
 
 
@@ -93,6 +96,7 @@ def switch(variant: str) -> None:
     tma, override, *flags = VARIANTS[variant]
     configs.MIXED_M = flags[0] if flags else True
     configs.TAIL_SPLIT = flags[1] if len(flags) > 1 else True
+    configs.M_FLAT = flags[2] if len(flags) > 2 else False
     _launch.TMA_LOAD = tma
     if override is None:
         configs.pick_config = PICK
@@ -171,6 +175,8 @@ def main() -> int:
                     row[f"{variant}_tail_split"] = meta["TAIL_SPLIT"]
                     row[f"{variant}_programs"] = meta["NUM_PROGRAMS"]
                     row[f"{variant}_block_m"] = meta["BLOCK_M"]
+                    row[f"{variant}_flat"] = meta["FLAT"]
+                    row[f"{variant}_tma_store"] = meta["TMA_STORE"]
                     row[f"{variant}_relerr"] = err = relerr(out, want)
                     if not err < 1e-2:
                         row[f"{variant}_error"] = "relerr above 1e-2"

@@ -29,6 +29,44 @@ from moegemm.kernels.schedule import locate_row_tile, m_grouped_tile_space, sm90
 
 
 @triton.jit
+def _m_epilogue(
+    acc, bias_ptr, out_desc, out_ptr, g, row0, row_end, col0, N: tl.constexpr, G: tl.constexpr, stride_om, stride_on,
+    stride_bg, stride_bn, BM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
+    TMA_STORE: tl.constexpr,
+):  # fmt: skip
+    """Adds bias[g] to a BM x BLOCK_N fp32 tile (g < G) and stores its rows below row_end (``_m_tile`` says which
+    rows it holds)."""
+    offs_m = tl.arange(0, BM)
+    offs_n = tl.arange(0, BLOCK_N)
+    if WIDE_OFFSETS:
+        offs_m = offs_m.to(tl.int64)
+        offs_n = offs_n.to(tl.int64)
+    row_mask = offs_m < row_end - row0
+    col_mask = offs_n < N - col0
+    out_base = out_ptr + row0 * stride_om + col0.to(tl.int64) * stride_on
+    if HAS_BIAS:
+        # The unowned slots (g >= G) read no bias and its rows stay 0: its column bound folds to 0. A
+        # scalar condition and-ed into a block mask is rejected by triton 3.9's interpreter
+        # ("mask has unsupported dtype"), so the condition goes into the bound instead.
+        bias_cols = tl.where(g < G, N - col0, 0)
+        bias_base = bias_ptr + g.to(tl.int64) * stride_bg + col0.to(tl.int64) * stride_bn
+        bias = tl.load(bias_base + offs_n * stride_bn, mask=offs_n < bias_cols, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    out_offs = offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    if TMA_STORE and row_end - row0 >= BM:
+        # Every row of the tile is owned: one bulk copy from shared memory stores it (clipped at N)
+        # under the next tile's main loop. A group's last, partial tile must not touch the next
+        # group's rows, which the descriptor cannot clip, so it takes the masked store.
+        out_desc.store([row0.to(tl.int32), col0.to(tl.int32)], acc.to(out_desc.dtype))
+    else:
+        tl.store(
+            out_base + out_offs,
+            acc.to(out_ptr.dtype.element_ty),
+            mask=row_mask[:, None] & col_mask[None, :],
+        )
+
+
+@triton.jit
 def _m_tile(
     x_ptr,
     w_ptr,
@@ -76,9 +114,8 @@ def _m_tile(
         offs_k = offs_k.to(tl.int64)
     row_mask = offs_m < row_end - row0  # row0 is int64
     col_mask = offs_n < N - col0
-    # 64-bit scalar tile origins; per-element offsets stay 32-bit (WIDE_OFFSETS when they can't),
-    # which keeps the pointer tensors out of the register budget of the accumulator.
-    out_base = out_ptr + row0 * stride_om + col0.to(tl.int64) * stride_on
+    # 64-bit scalar tile origins (here and in _m_epilogue); per-element offsets stay 32-bit (WIDE_OFFSETS
+    # when they can't), which keeps the pointer tensors out of the register budget of the accumulator.
     acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
     # The unowned slots (g >= G) run no reduction steps: their rows are stored as zeros.
     k_steps = tl.where(g < G, tl.cdiv(K, BLOCK_K), 0)
@@ -119,26 +156,63 @@ def _m_tile(
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    if HAS_BIAS:
-        # The unowned slots (g >= G) read no bias and its rows stay 0: its column bound folds to 0. A
-        # scalar condition and-ed into a block mask is rejected by triton 3.9's interpreter
-        # ("mask has unsupported dtype"), so the condition goes into the bound instead.
-        bias_cols = tl.where(g < G, N - col0, 0)
-        bias_base = bias_ptr + g.to(tl.int64) * stride_bg + col0.to(tl.int64) * stride_bn
-        bias = tl.load(bias_base + offs_n * stride_bn, mask=offs_n < bias_cols, other=0.0)
-        acc += bias.to(tl.float32)[None, :]
-    out_offs = offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    if TMA_STORE and row_end - row0 >= BM:
-        # Every row of the tile is owned: one bulk copy from shared memory stores it (clipped at N)
-        # under the next tile's main loop. A group's last, partial tile must not touch the next
-        # group's rows, which the descriptor cannot clip, so it takes the masked store.
-        out_desc.store([row0.to(tl.int32), col0.to(tl.int32)], acc.to(out_desc.dtype))
-    else:
-        tl.store(
-            out_base + out_offs,
-            acc.to(out_ptr.dtype.element_ty),
-            mask=row_mask[:, None] & col_mask[None, :],
-        )
+    _m_epilogue(
+        acc, bias_ptr, out_desc, out_ptr, g, row0, row_end, col0, N, G, stride_om, stride_on, stride_bg, stride_bn,
+        BM, BLOCK_N, HAS_BIAS, WIDE_OFFSETS, TMA_STORE,
+    )  # fmt: skip
+
+
+@triton.jit
+def _m_flat_loop(
+    x_desc, w_desc, bias_ptr, out_desc, out_ptr, pid, offs, starts, ends, m_tiles, tile_ends, total_tiles, n_tiles,
+    N: tl.constexpr, K: tl.constexpr, G: tl.constexpr, stride_om, stride_on, stride_bg, stride_bn,
+    NUM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M,
+    W_K_CONTIGUOUS: tl.constexpr, HAS_BIAS: tl.constexpr, WIDE_OFFSETS: tl.constexpr, TMA_STORE: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The program's tiles (pid, pid + NUM_PROGRAMS, ...) as one loop over all their reduction steps, with each
+    tile's epilogue under an `if` at its last step, as the wgrad's flat loop (k_grouped): the software
+    pipeliner then loads the next tile's first steps while this one finishes and stores, where the per-tile
+    loop fills and drains its pipeline at every tile. Every tile is BLOCK_M high. A tile of the unowned rows
+    (g == G) takes one step: its w rows lie past the descriptor's G experts, which the copy engine reads as
+    zeros, so it stores zeros."""
+    k_steps = tl.cdiv(K, BLOCK_K)
+    gemm_tiles = tl.sum(tl.where(offs == G - 1, tile_ends, 0), 0)  # tiles of groups 0..G-1
+    my_tiles = tl.maximum(total_tiles - pid + NUM_PROGRAMS - 1, 0) // NUM_PROGRAMS
+    my_gemm = tl.maximum(gemm_tiles - pid + NUM_PROGRAMS - 1, 0) // NUM_PROGRAMS
+    total = (my_gemm * k_steps + my_tiles - my_gemm).to(tl.int32)
+    tile = pid - NUM_PROGRAMS
+    step = -1
+    num_steps = 0
+    g = 0
+    col0 = tl.zeros((), dtype=tl.int64)
+    row0 = tl.zeros((), dtype=tl.int64)
+    row_end = tl.zeros((), dtype=tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, total):
+        step = tl.where(step == num_steps - 1, 0, step + 1)
+        if step == 0:
+            tile += NUM_PROGRAMS
+            g, m_tile, n_tile, row0, row_end, first_m = locate_row_tile(
+                tile, offs, starts, ends, m_tiles, tile_ends, n_tiles, BLOCK_M, GROUP_M
+            )
+            col0 = n_tile * BLOCK_N
+            num_steps = tl.where(g < G, k_steps, 1)
+        a = x_desc.load([row0.to(tl.int32), step * BLOCK_K])
+        if W_K_CONTIGUOUS:
+            b = tl.trans(w_desc.load([(g * N + col0).to(tl.int32), step * BLOCK_K]))
+        else:
+            b = w_desc.load([(g * K + step * BLOCK_K).to(tl.int32), col0.to(tl.int32)])
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if step == num_steps - 1:
+            _m_epilogue(
+                acc, bias_ptr, out_desc, out_ptr, g, row0, row_end, col0, N, G, stride_om, stride_on, stride_bg,
+                stride_bn, BLOCK_M, BLOCK_N, HAS_BIAS, WIDE_OFFSETS, TMA_STORE,
+            )  # fmt: skip
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
 
 @triton.jit
@@ -185,6 +259,7 @@ def m_grouped_mm_kernel(
     TMA_LOAD: tl.constexpr,  # load x and w through TMA descriptors the kernel makes once per program
     MIXED_M: tl.constexpr,  # a tile with at most BLOCK_M // 2 rows left in its group runs BLOCK_M // 2 high
     TAIL_SPLIT: tl.constexpr,  # the last, partial round's tiles run as two BLOCK_M // 2 high halves each
+    FLAT: tl.constexpr,  # TMA_LOAD only: one loop over every step of every tile (the next tile's loads overlap)
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot is wrong on bf16 operands
     PRECISION: tl.constexpr,
 ):
@@ -221,6 +296,13 @@ def m_grouped_mm_kernel(
         x_desc = x_ptr
         x_desc_half = x_ptr
         w_desc = w_ptr
+    if FLAT:
+        _m_flat_loop(
+            x_desc, w_desc, bias_ptr, out_desc, out_ptr, pid, offs, starts, ends, m_tiles, tile_ends, total_tiles,
+            n_tiles, N, K, G, stride_om, stride_on, stride_bg, stride_bn, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K,
+            GROUP_M, W_K_CONTIGUOUS, HAS_BIAS, WIDE_OFFSETS, TMA_STORE, UPCAST, PRECISION,
+        )  # fmt: skip
+        return
     # The work items: tiles, except that with TAIL_SPLIT the last, partial round's tiles (``tail`` of them,
     # after ``full`` tiles of whole rounds) run as two half-high items each where that leaves no program
     # with two (perf-notes 30): a round that would keep ``tail`` SMs busy for a whole tile time keeps twice
@@ -361,6 +443,7 @@ class MGroupedLaunch:
         tma_load: bool = False,
         mixed_m: bool = False,
         tail_split: bool = False,
+        flat: bool = False,
     ) -> MGroupedLaunch:
         """max_stride: the largest row/column stride of x, w[g] and out (default: contiguous, max(K, N)).
         Element offsets inside one tile or one expert's K range are int32 unless they could overflow.
@@ -378,8 +461,12 @@ class MGroupedLaunch:
         (``mixed_m_fits``).
         tail_split: the last, partial round of tiles may run as half-high halves on twice as many programs
         (same caller check as mixed_m; used where half-high tiles fit, ``half_tiles_fit``).
+        flat: one loop over every step of the program's tiles (experimental, ``configs.M_FLAT``); used where the
+        launch takes TMA loads and has no group offset, and then with neither mixed heights nor a split tail.
         """
         bm, bn = config.block_m, config.block_n
+        tma_load = tma_load and not fp32_inputs and tma_load_fits(K, config.block_k, w_k_contiguous)
+        flat = flat and tma_load and g_total is None
         max_stride = max(K, N) if max_stride is None else max_stride
         # Each group adds at most one partial row tile, the unowned rows (tail; head with an offset) more.
         slots = G + 1 if g_total is None else G + 2
@@ -399,10 +486,13 @@ class MGroupedLaunch:
             W_K_CONTIGUOUS=w_k_contiguous,
             HAS_BIAS=has_bias,
             WIDE_OFFSETS=2 * max(bm, bn, K + config.block_k) * max_stride >= 2**31,
-            TMA_STORE=tma_store and tma_store_fits(config, 4 if fp32_inputs else 2),
-            TMA_LOAD=tma_load and not fp32_inputs and tma_load_fits(K, config.block_k, w_k_contiguous),
-            MIXED_M=mixed_m and mixed_m_fits(bm, K, N, interpret),
-            TAIL_SPLIT=tail_split and half_tiles_fit(bm, K, N, interpret),
+            # The flat loop keeps its operand ring live through the epilogue, beside the masked store's 32 KB
+            # of layout-conversion scratch: with a staging tile too, 128 x 256 compiles to 245 KB.
+            TMA_STORE=tma_store and tma_store_fits(config, 4 if fp32_inputs else 2) and not flat,
+            TMA_LOAD=tma_load,
+            MIXED_M=mixed_m and mixed_m_fits(bm, K, N, interpret) and not flat,
+            TAIL_SPLIT=tail_split and half_tiles_fit(bm, K, N, interpret) and not flat,
+            FLAT=flat,
             UPCAST=interpret,
             PRECISION="ieee" if fp32_inputs or interpret else "tf32",
             num_warps=config.num_warps,

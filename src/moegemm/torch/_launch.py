@@ -119,6 +119,7 @@ def _m_launch(
         tma_load=tma_load and target in ("sm90", "interpret"),
         mixed_m=configs.MIXED_M and rows_aligned,
         tail_split=configs.TAIL_SPLIT and rows_aligned,
+        flat=configs.M_FLAT,
     )
 
 
