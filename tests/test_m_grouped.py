@@ -13,7 +13,8 @@ from conftest import DEVICE, needs_cuda, record_launches, spy_store_paths
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moegemm import shapes
+from moegemm import configs, shapes
+from moegemm.kernels import m_grouped
 from moegemm.testing import assert_rel_close, oracle
 from moegemm.torch import k_grouped_mm, m_grouped_mm
 
@@ -140,15 +141,19 @@ class TestMGroupedTritonTmaLoad(MGroupedTest):
     """x and w read through two TMA descriptors the kernel makes once per program: x [M, K] and w's 2-D
     view, [G * N, K] (K-contiguous) or [G * K, N] (N-contiguous, only without a K tail: a tail step would
     put the next expert's rows into the reduction). A spy checks every launch took the path its inputs
-    allow: 2-byte operands, 16-byte row strides, the experts back to back."""
+    allow: 2-byte operands, 16-byte row strides, the experts back to back. The per-tile loop (MOEGEMM_M_FLAT=0);
+    TestMGroupedTritonFlat runs the same tests through the flat loop."""
 
     BACKEND = "triton"
+    FLAT = False
     pytestmark = pytest.mark.gpu
 
     @pytest.fixture(autouse=True)
     def spy(self, monkeypatch):
+        from moegemm import configs
         from moegemm.torch import _launch
 
+        monkeypatch.setattr(configs, "M_FLAT", self.FLAT)
         monkeypatch.setattr(_launch, "TMA_LOAD", True)
         monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", 0)  # the tests' problems are tiny
         _launch.clear_launch_cache()
@@ -170,7 +175,15 @@ class TestMGroupedTritonTmaLoad(MGroupedTest):
             block_k = _launch._m_launch(*spec).meta["BLOCK_K"]
             rows_aligned = K % 8 == 0 if layout == "transpose_w" else N % 8 == 0 and K % block_k == 0
             want_tma = dtype.itemsize == 2 and K % 8 == 0 and rows_aligned
-            assert _launch._m_launch(*spec).meta["TMA_LOAD"] == want_tma, (M, K, N, dtype, layout)
+            meta = _launch._m_launch(*spec).meta
+            assert meta["TMA_LOAD"] == want_tma, (M, K, N, dtype, layout)
+            assert meta["FLAT"] == (self.FLAT and want_tma and K <= m_grouped.FLAT_MAX_K), (
+                M,
+                K,
+                N,
+                dtype,
+                layout,
+            )
         return out
 
     @pytest.mark.parametrize("layout", ["transpose_w", "k-major"])
@@ -229,6 +242,13 @@ class TestMGroupedTritonTmaLoad(MGroupedTest):
             assert_rel_close(out.cpu(), want(x, w, [25, 15]), torch.bfloat16, what=f"min_flops {min_flops}")
 
 
+class TestMGroupedTritonFlat(TestMGroupedTritonTmaLoad):
+    """The TMA-load tests through the flat loop (configs.M_FLAT): one loop over every step of a program's
+    tiles, every tile BLOCK_M high; the spy checks each launch with TMA loads and K <= FLAT_MAX_K took it."""
+
+    FLAT = True
+
+
 class TestMGroupedTritonRegisterStore(MGroupedTest):
     """Every tile stored from registers (MOEGEMM_TMA_STORE=0, and every out no descriptor fits)."""
 
@@ -281,6 +301,7 @@ def test_mixed_m_half_tiles_match_full_tiles(monkeypatch, layout, tma):
 
     monkeypatch.setattr(_launch, "TMA_LOAD", tma)
     monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", 0)
+    monkeypatch.setattr(configs, "M_FLAT", False)  # the flat loop runs every tile full height
     # The table's default config (128 rows on sm90), whatever the model would pick for this small problem.
     target = _launch._target(torch.device(DEVICE))[0]
     default = configs.candidates("m_grouped", target)[0]
@@ -332,6 +353,7 @@ def test_tail_split_halves_match_whole_tiles(monkeypatch, layout, tma):
 
     monkeypatch.setattr(_launch, "TMA_LOAD", tma)
     monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", 0)
+    monkeypatch.setattr(configs, "M_FLAT", False)  # the flat loop runs every tile full height
     target, device_name, _ = _launch._target(torch.device(DEVICE))
     default = configs.candidates("m_grouped", target)[0]
     inner = configs.pick_config
@@ -379,6 +401,31 @@ def test_tail_split_halves_match_whole_tiles(monkeypatch, layout, tma):
         if DEVICE != "cpu":
             assert torch.equal(outs[True], outs[False]), what
     _launch.clear_launch_cache()
+
+
+def test_flat_rule():
+    """Where launches take the flat loop: TMA loads, no group offset, K <= FLAT_MAX_K, the ring and scratch of
+    the config's CTAs fit an SM; then with neither mixed heights, a split tail nor the TMA store (the flat
+    128 x 256 tile with a staging tile needs 245 KB)."""
+    big = configs.MGroupedConfig(128, 256, 64)
+    limit = m_grouped.FLAT_MAX_K
+
+    def meta(K, tma_load=True, g_total=None, flat=True, config=big):
+        return m_grouped.MGroupedLaunch.make(
+            4096, 2048, K, 8, config=config, num_programs_cap=132, fp32_inputs=False, interpret=False,
+            tma_load=tma_load, tma_store=True, mixed_m=True, tail_split=True, flat=flat, g_total=g_total,
+        ).meta  # fmt: skip
+
+    assert meta(limit)["FLAT"] and meta(64)["FLAT"]
+    assert not meta(limit + 64)["FLAT"] and not meta(1024, tma_load=False)["FLAT"]
+    assert not meta(1024, g_total=16)["FLAT"] and not meta(1024, flat=False)["FLAT"]
+    # Two CTAs of 128 x 128 at 8 warps: 3 ring stages and 32 KB of scratch each do not fit an SM together.
+    assert not meta(1024, config=configs.MGroupedConfig(128, 128, 64, 8, 8, 3, 2))["FLAT"]
+    assert meta(1024, config=configs.MGroupedConfig(128, 128, 64, 8, 4, 3, 2))["FLAT"]
+    on = meta(1024)
+    assert not (on["MIXED_M"] or on["TAIL_SPLIT"] or on["TMA_STORE"]), on
+    off = meta(1024, flat=False)
+    assert off["MIXED_M"] and off["TAIL_SPLIT"] and off["TMA_STORE"], off
 
 
 def test_mixed_m_rule():

@@ -115,9 +115,10 @@ MIXED_M = os.environ.get("MOEGEMM_MIXED_M", "1") != "0"
 # bound on K. MOEGEMM_TAIL_SPLIT=0 turns it off; read like MIXED_M.
 TAIL_SPLIT = os.environ.get("MOEGEMM_TAIL_SPLIT", "1") != "0"
 
-# Experimental, off: the m-grouped kernel's tiles as one flat loop over all their steps (m_grouped._m_flat_loop),
-# on launches with TMA loads and no group offset. MOEGEMM_M_FLAT=1 turns it on; read like MIXED_M.
-M_FLAT = os.environ.get("MOEGEMM_M_FLAT", "0") == "1"
+# The m-grouped kernel's tiles as one flat loop over all their steps (m_grouped._m_flat_loop) where the launch
+# has TMA loads, no group offset and K <= m_grouped.FLAT_MAX_K (perf-notes 30). MOEGEMM_M_FLAT=0 turns it off;
+# read like MIXED_M.
+M_FLAT = os.environ.get("MOEGEMM_M_FLAT", "1") != "0"
 
 M, K = MGroupedConfig, KGroupedConfig
 TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {

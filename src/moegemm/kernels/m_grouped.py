@@ -259,7 +259,7 @@ def m_grouped_mm_kernel(
     TMA_LOAD: tl.constexpr,  # load x and w through TMA descriptors the kernel makes once per program
     MIXED_M: tl.constexpr,  # a tile with at most BLOCK_M // 2 rows left in its group runs BLOCK_M // 2 high
     TAIL_SPLIT: tl.constexpr,  # the last, partial round's tiles run as two BLOCK_M // 2 high halves each
-    FLAT: tl.constexpr,  # TMA_LOAD only: one loop over every step of every tile (the next tile's loads overlap)
+    FLAT: tl.constexpr,  # TMA_LOAD only: one loop over every step of the program's tiles (flat_fits)
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot is wrong on bf16 operands
     PRECISION: tl.constexpr,
 ):
@@ -411,6 +411,34 @@ def half_tiles_fit(block_m: int, K: int, N: int, interpret: bool) -> bool:
     return block_m >= 128 and K % 16 == 0 and N % 16 == 0
 
 
+# The longest reduction (K) on which launches with TMA loads take the flat loop (FLAT). Measured on the H100
+# (perf-notes 30, paired, Dirichlet and balanced sizes, flat over the nested loop with its TMA store, mixed
+# heights and split tail): on the suite's two launches with K <= 1536 +2.9/-0.5% and +2.4/+0.4%; from K = 2048 up
+# -1.9% to +1.8% and -6.0% on gpt-oss-120b fwd (K 2880). Held out (validation only), K = 512-1408: +1.5/+6.9%,
+# +4.0/+7.7%, +3.8/-2.7%.
+FLAT_MAX_K = 1536
+
+
+def flat_shared_bytes(config, in_itemsize: int) -> int:
+    """Shared memory of the flat loop: its operand ring stays live through the epilogue, beside the masked
+    store's layout-conversion scratch. The scratch as sm_90a compiles showed it on triton 3.6 and 3.9 (32 KB at
+    8 warps, BLOCK_N * 64 bytes at 4); tests/test_sm90_compile.py compiles every candidate this admits."""
+    scratch = 32768 if config.num_warps == 8 else config.block_n * 64
+    return ring_bytes(config, in_itemsize) + scratch
+
+
+def flat_fits(config, K: int, in_itemsize: int, tma_load: bool, has_group_offset: bool) -> bool:
+    """Whether a launch runs the flat loop: TMA loads (the nested loop's cp.async path has no flat twin), no
+    group offset (its zero tiles live in the per-tile loop), K <= FLAT_MAX_K, where a tile's pipeline fill is
+    the largest share of its time, and the config's CTAs per SM fit with the ring live (``flat_shared_bytes``)."""
+    return (
+        tma_load
+        and not has_group_offset
+        and K <= FLAT_MAX_K
+        and sm90_shared_fits(flat_shared_bytes(config, in_itemsize), config.ctas_per_sm)
+    )
+
+
 def mixed_m_fits(block_m: int, K: int, N: int, interpret: bool) -> bool:
     """Whether a launch runs a group's last row tile half high where at most half its rows are left
     (MIXED_M): where half-high tiles fit (``half_tiles_fit``) and, on the GPU, K <= MIXED_M_MAX_K."""
@@ -461,12 +489,12 @@ class MGroupedLaunch:
         (``mixed_m_fits``).
         tail_split: the last, partial round of tiles may run as half-high halves on twice as many programs
         (same caller check as mixed_m; used where half-high tiles fit, ``half_tiles_fit``).
-        flat: one loop over every step of the program's tiles (experimental, ``configs.M_FLAT``); used where the
-        launch takes TMA loads and has no group offset, and then with neither mixed heights nor a split tail.
+        flat: one loop over every step of the program's tiles (``configs.M_FLAT``); used where ``flat_fits``, and
+        then with neither mixed heights, a split tail nor the TMA store.
         """
         bm, bn = config.block_m, config.block_n
         tma_load = tma_load and not fp32_inputs and tma_load_fits(K, config.block_k, w_k_contiguous)
-        flat = flat and tma_load and g_total is None
+        flat = flat and flat_fits(config, K, 4 if fp32_inputs else 2, tma_load, g_total is not None)
         max_stride = max(K, N) if max_stride is None else max_stride
         # Each group adds at most one partial row tile, the unowned rows (tail; head with an offset) more.
         slots = G + 1 if g_total is None else G + 2

@@ -135,6 +135,7 @@ def _m_grouped(
     mixed_m: bool = False,
     K: int = K,
     tail_split: bool = True,
+    flat: bool = False,
 ):
     """The BF16 forward (the nn.Linear weight read K-contiguous) or dgrad (N-contiguous), with bias (the
     default config unless given); ``mixed_m``: with half-high tail tiles (at a K that has them);
@@ -144,12 +145,14 @@ def _m_grouped(
     launch = m_grouped.MGroupedLaunch.make(
         M, N, K, G, config=config, num_programs_cap=132, fp32_inputs=False, interpret=False,
         w_k_contiguous=w_k_contiguous, has_bias=True, tma_store=tma_store, tma_load=tma_load, mixed_m=mixed_m,
-        tail_split=tail_split,
+        tail_split=tail_split, flat=flat,
     )  # fmt: skip
     assert launch.meta["TMA_STORE"] == tma_store, config
     assert launch.meta["TMA_LOAD"] == tma_load, config
     assert launch.meta["MIXED_M"] == mixed_m, (config, K)
-    assert launch.meta["TAIL_SPLIT"] == (tail_split and m_grouped.half_tiles_fit(config.block_m, K, N, False))
+    assert launch.meta["FLAT"] == flat, (config, K)
+    half = not flat and m_grouped.half_tiles_fit(config.block_m, K, N, False)
+    assert launch.meta["TAIL_SPLIT"] == (tail_split and half)
     pointers = {
         "x_ptr": "*bf16", "w_ptr": "*bf16", "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32",
         "bias_ptr": "*bf16", "out_desc": "*bf16", "out_ptr": "*bf16",
@@ -226,7 +229,14 @@ _TMA_STORE_CANDIDATES = {
 KERNELS = {
     "m_grouped": _m_grouped,
     "m_grouped-whole-tiles": lambda: _m_grouped(tail_split=False),
-    # Half-high tail tiles (a K they run at): both loops of the kernel, cp.async, TMA loads and the TMA store.
+    # The flat loop (K <= FLAT_MAX_K, TMA loads, register store): the forward of every candidate it admits (its
+    # operand ring stays live beside the epilogue's scratch: m_grouped.flat_shared_bytes must hold), the dgrad.
+    **{
+        f"m_grouped-flat-{i}": (lambda c=config: _m_grouped(c, tma_load=True, K=1024, flat=True))
+        for i, config in enumerate(configs.candidates("m_grouped", "sm90"))
+        if sm90_shared_fits(m_grouped.flat_shared_bytes(config, 2), config.ctas_per_sm)
+    },
+    "m_grouped-flat-dgrad": lambda: _m_grouped(tma_load=True, K=1024, flat=True, w_k_contiguous=False),
     "m_grouped-mixed-m": lambda: _m_grouped(mixed_m=True, K=2048),
     "m_grouped-mixed-m-dgrad": lambda: _m_grouped(mixed_m=True, K=2048, w_k_contiguous=False),
     "m_grouped_tma_store-tma-load-mixed-m": lambda: _m_grouped(
