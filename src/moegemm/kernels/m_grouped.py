@@ -15,7 +15,10 @@ after the local groups are zero tiles interleaved with the GEMM tiles). The real
 the device, so the grid is ``min(upper bound, programs)`` and each program strides over the
 tile space until the device-side total. With ``TMA_STORE`` (a 2-byte out, PyTorch on sm90) a tile whose
 rows all belong to its group leaves through shared memory and a bulk tensor copy that runs under the
-next tile's main loop; a group's partial last tile keeps the masked store.
+next tile's main loop; a group's partial last tile keeps the masked store. Schedule variants, all
+from the same tile space: ``MIXED_M`` runs a group's last row tile half high where at most half its
+rows are left; ``TAIL_SPLIT`` runs the last, partial round's tiles as two half-high halves on two
+programs; ``FLAT`` (TMA loads, short K) runs one loop over every step of a program's tiles.
 """
 
 from __future__ import annotations
@@ -412,7 +415,7 @@ def half_tiles_fit(block_m: int, K: int, N: int, interpret: bool) -> bool:
 
 
 # The longest reduction (K) on which launches with TMA loads take the flat loop (FLAT). Measured on the H100
-# (perf-notes 30, paired, Dirichlet and balanced sizes, flat over the nested loop with its TMA store, mixed
+# (perf-notes 31, paired, Dirichlet and balanced sizes, flat over the nested loop with its TMA store, mixed
 # heights and split tail): on the suite's two launches with K <= 1536 +2.9/-0.5% and +2.4/+0.4%; from K = 2048 up
 # -1.9% to +1.8% and -6.0% on gpt-oss-120b fwd (K 2880). Held out (validation only), K = 512-1408: +1.5/+6.9%,
 # +4.0/+7.7%, +3.8/-2.7%.
