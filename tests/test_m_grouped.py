@@ -150,7 +150,6 @@ class TestMGroupedTritonTmaLoad(MGroupedTest):
 
     @pytest.fixture(autouse=True)
     def spy(self, monkeypatch):
-        from moegemm import configs
         from moegemm.torch import _launch
 
         monkeypatch.setattr(configs, "M_FLAT", self.FLAT)
@@ -175,15 +174,9 @@ class TestMGroupedTritonTmaLoad(MGroupedTest):
             block_k = _launch._m_launch(*spec).meta["BLOCK_K"]
             rows_aligned = K % 8 == 0 if layout == "transpose_w" else N % 8 == 0 and K % block_k == 0
             want_tma = dtype.itemsize == 2 and K % 8 == 0 and rows_aligned
-            meta = _launch._m_launch(*spec).meta
-            assert meta["TMA_LOAD"] == want_tma, (M, K, N, dtype, layout)
-            assert meta["FLAT"] == (self.FLAT and want_tma and K <= m_grouped.FLAT_MAX_K), (
-                M,
-                K,
-                N,
-                dtype,
-                layout,
-            )
+            meta, what = _launch._m_launch(*spec).meta, (M, K, N, dtype, layout)
+            assert meta["TMA_LOAD"] == want_tma, what
+            assert meta["FLAT"] == (self.FLAT and want_tma and K <= m_grouped.FLAT_MAX_K), what
         return out
 
     @pytest.mark.parametrize("layout", ["transpose_w", "k-major"])
@@ -287,6 +280,24 @@ class TestMGroupedTritonUniformM(MGroupedTest):
         _launch.clear_launch_cache()
 
 
+def half_tile_launches(monkeypatch, tma: bool) -> tuple:
+    """The half-high tile tests' setup: TMA loads as given (at any problem size), the per-tile loop (the flat
+    one runs every tile full height) and the table's default config (128 rows on sm90), whatever the model
+    would pick for their small problems. Returns (target, device name, that config, the recorded launches)."""
+    from moegemm.torch import _launch
+
+    monkeypatch.setattr(_launch, "TMA_LOAD", tma)
+    monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", 0)
+    monkeypatch.setattr(configs, "M_FLAT", False)
+    target, device_name, _ = _launch._target(torch.device(DEVICE))
+    default = configs.candidates("m_grouped", target)[0]
+    inner = configs.pick_config
+    monkeypatch.setattr(
+        configs, "pick_config", lambda op, *a, **kw: default if op == "m_grouped" else inner(op, *a, **kw)
+    )
+    return target, device_name, default, record_launches(monkeypatch, "m_grouped")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["transpose_w", "k-major"])
 @pytest.mark.parametrize("tma", [False, True], ids=["cp-async", "tma-load"])
@@ -295,21 +306,9 @@ def test_mixed_m_half_tiles_match_full_tiles(monkeypatch, layout, tma):
     and BLOCK_M - 1 rows (full tiles), an empty group and one hot expert: the same out with mixed tile
     heights as with every tile full height, and the launch must have had them on. On a GPU the two agree
     bitwise (each element's reduction runs in the same order in both tile heights)."""
-    from moegemm import configs
-    from moegemm.kernels import m_grouped
     from moegemm.torch import _launch
 
-    monkeypatch.setattr(_launch, "TMA_LOAD", tma)
-    monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", 0)
-    monkeypatch.setattr(configs, "M_FLAT", False)  # the flat loop runs every tile full height
-    # The table's default config (128 rows on sm90), whatever the model would pick for this small problem.
-    target = _launch._target(torch.device(DEVICE))[0]
-    default = configs.candidates("m_grouped", target)[0]
-    inner = configs.pick_config
-    monkeypatch.setattr(
-        configs, "pick_config", lambda op, *a, **kw: default if op == "m_grouped" else inner(op, *a, **kw)
-    )
-    calls = record_launches(monkeypatch, "m_grouped")
+    target, _, default, calls = half_tile_launches(monkeypatch, tma)
     block_m = default.block_m
     assert m_grouped.mixed_m_fits(block_m, 96, 80, target == "interpret"), default
     half = block_m // 2
@@ -348,19 +347,9 @@ def test_tail_split_halves_match_whole_tiles(monkeypatch, layout, tma):
     programs count under which the kernel's rule splits (2 x tail <= NUM_PROGRAMS), write every element of
     a NaN-poisoned out (unowned rows 0), match the oracle and, on a GPU, the whole-tile launch bitwise
     (whether the rule split is not visible in out: the halves compute what the whole tile would)."""
-    from moegemm import configs
     from moegemm.torch import _launch
 
-    monkeypatch.setattr(_launch, "TMA_LOAD", tma)
-    monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", 0)
-    monkeypatch.setattr(configs, "M_FLAT", False)  # the flat loop runs every tile full height
-    target, device_name, _ = _launch._target(torch.device(DEVICE))
-    default = configs.candidates("m_grouped", target)[0]
-    inner = configs.pick_config
-    monkeypatch.setattr(
-        configs, "pick_config", lambda op, *a, **kw: default if op == "m_grouped" else inner(op, *a, **kw)
-    )
-    calls = record_launches(monkeypatch, "m_grouped")
+    target, device_name, default, calls = half_tile_launches(monkeypatch, tma)
     bm, half = default.block_m, default.block_m // 2
     K, N = 96, 80  # 16-element rows: half_tiles_fit
     n_tiles = -(-N // default.block_n)

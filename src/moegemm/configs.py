@@ -116,7 +116,7 @@ MIXED_M = os.environ.get("MOEGEMM_MIXED_M", "1") != "0"
 TAIL_SPLIT = os.environ.get("MOEGEMM_TAIL_SPLIT", "1") != "0"
 
 # The m-grouped kernel's tiles as one flat loop over all their steps (m_grouped._m_flat_loop) where the launch
-# has TMA loads, no group offset and K <= m_grouped.FLAT_MAX_K (perf-notes 30). MOEGEMM_M_FLAT=0 turns it off;
+# has TMA loads, no group offset and K <= m_grouped.FLAT_MAX_K (perf-notes 31). MOEGEMM_M_FLAT=0 turns it off;
 # read like MIXED_M.
 M_FLAT = os.environ.get("MOEGEMM_M_FLAT", "1") != "0"
 

@@ -28,6 +28,7 @@ from moegemm.kernels.schedule import (
     local_group_row_bounds,
     pick,
     sm90_shared_fits,
+    strided_share,
     swizzle_tile,
 )
 
@@ -186,8 +187,8 @@ def k_grouped_mm_kernel(
         # (Runs of consecutive tiles per program, which make a TMA-load program's descriptors less
         # often, ran slower on the H100: up to 0.62x on 128-expert wgrad; perf-notes 25.)
         first_tile = offs * tiles_per_group
-        mine = tl.maximum(first_tile + tiles_per_group - pid + NUM_PROGRAMS - 1, 0) // NUM_PROGRAMS
-        mine -= tl.maximum(first_tile - pid + NUM_PROGRAMS - 1, 0) // NUM_PROGRAMS
+        mine = strided_share(first_tile + tiles_per_group, pid, NUM_PROGRAMS)
+        mine -= strided_share(first_tile, pid, NUM_PROGRAMS)
         steps_of = tl.maximum(tl.cdiv(ends - starts, BLOCK_R), 1)
         # int32 (KGroupedLaunch.make bounds a program's steps below 2**31): a 64-bit count costs a step 3-5
         # instructions of compares (sm_90a SASS; perf-notes 27).

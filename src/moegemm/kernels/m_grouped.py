@@ -28,7 +28,14 @@ import dataclasses
 import triton
 import triton.language as tl
 
-from moegemm.kernels.schedule import locate_row_tile, m_grouped_tile_space, sm90_shared_fits, store_zero_tiles
+from moegemm.kernels.schedule import (
+    locate_row_tile,
+    m_grouped_tile_space,
+    pick,
+    sm90_shared_fits,
+    store_zero_tiles,
+    strided_share,
+)
 
 
 @triton.jit
@@ -180,9 +187,9 @@ def _m_flat_loop(
     (g == G) takes one step: its w rows lie past the descriptor's G experts, which the copy engine reads as
     zeros, so it stores zeros."""
     k_steps = tl.cdiv(K, BLOCK_K)
-    gemm_tiles = tl.sum(tl.where(offs == G - 1, tile_ends, 0), 0)  # tiles of groups 0..G-1
-    my_tiles = tl.maximum(total_tiles - pid + NUM_PROGRAMS - 1, 0) // NUM_PROGRAMS
-    my_gemm = tl.maximum(gemm_tiles - pid + NUM_PROGRAMS - 1, 0) // NUM_PROGRAMS
+    gemm_tiles = pick(tile_ends, offs, G - 1)  # tiles of groups 0..G-1; the unowned rows' follow
+    my_tiles = strided_share(total_tiles, pid, NUM_PROGRAMS)
+    my_gemm = strided_share(gemm_tiles, pid, NUM_PROGRAMS)
     total = (my_gemm * k_steps + my_tiles - my_gemm).to(tl.int32)
     tile = pid - NUM_PROGRAMS
     step = -1

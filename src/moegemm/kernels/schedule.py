@@ -94,6 +94,13 @@ def pick(values, offs, index):
 
 
 @triton.jit
+def strided_share(end, pid, NUM_PROGRAMS: tl.constexpr):
+    """How many of the indices pid, pid + NUM_PROGRAMS, pid + 2 * NUM_PROGRAMS, ... lie below ``end`` (a scalar
+    or a vector; ends <= pid count 0): a persistent program's share of the work items [0, end)."""
+    return tl.maximum(end - pid + NUM_PROGRAMS - 1, 0) // NUM_PROGRAMS
+
+
+@triton.jit
 def swizzle_tile(local, m_tiles, n_tiles, GROUP_M: tl.constexpr):
     """Maps a tile index inside one group to (m_tile, n_tile), GROUP_M m-tiles per band.
 
