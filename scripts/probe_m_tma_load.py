@@ -23,10 +23,12 @@ import sys
 import torch
 
 from moegemm import configs, shapes
+from moegemm.kernels import m_grouped
 from moegemm.torch import _launch
 
 LOG = os.path.join(os.environ.get("OUT", "."), "m_tma_load.jsonl")
 PICK = configs.pick_config
+FLAT_MAX_K = m_grouped.FLAT_MAX_K
 SPECS = []  # the spec of every m-grouped launch, to read back which loads it took
 
 
@@ -75,7 +77,9 @@ def host(rounds: int = 7, calls: int = 200) -> None:
         record(kind="host", variant=variant, host_us=values[len(values) // 2], rounds=values)
 
 
-VARIANTS = {  # name: (TMA loads, config override: None for the launcher's pick, or (candidate, changes)[, mixed])
+# name: (TMA loads, config override: None for the launcher's pick, or (candidate, changes)[, mixed heights, split
+# tail, flat loop, TMA store, flat at any K]); a flag left out takes the launcher's default.
+VARIANTS = {
     "cp": (False, None),
     "tma": (True, None),
     "tma-c0s4": (True, (0, {"num_stages": 4})),  # 192 KB ring, no room for the TMA store's staging tile
@@ -89,6 +93,10 @@ VARIANTS = {  # name: (TMA loads, config override: None for the launcher's pick,
     # One flat loop over every step of a program's tiles (configs.M_FLAT): uniform tiles, register store.
     "tma-flat": (True, None, True, True, True),
     "tma-aa": (True, None),  # the launcher's pick again: the A/A control
+    # The flat loop at any K (FLAT_MAX_K lifted): every tile stored in one bulk copy through the clipped 3-D view
+    # (CLIPPED_STORE), and from registers (the TMA store off, as "tma-flat" at K <= FLAT_MAX_K).
+    "tma-flat-clip": (True, None, True, True, True, True, True),
+    "tma-flat-reg": (True, None, True, True, True, False, True),
 }
 
 
@@ -97,6 +105,8 @@ def switch(variant: str) -> None:
     configs.MIXED_M = flags[0] if flags else True
     configs.TAIL_SPLIT = flags[1] if len(flags) > 1 else True
     configs.M_FLAT = flags[2] if len(flags) > 2 else False
+    _launch.TMA_STORE = flags[3] if len(flags) > 3 else True
+    m_grouped.FLAT_MAX_K = 1 << 30 if len(flags) > 4 and flags[4] else FLAT_MAX_K
     _launch.TMA_LOAD = tma
     if override is None:
         configs.pick_config = PICK
@@ -177,6 +187,7 @@ def main() -> int:
                     row[f"{variant}_block_m"] = meta["BLOCK_M"]
                     row[f"{variant}_flat"] = meta["FLAT"]
                     row[f"{variant}_tma_store"] = meta["TMA_STORE"]
+                    row[f"{variant}_clipped_store"] = meta["CLIPPED_STORE"]
                     row[f"{variant}_relerr"] = err = relerr(out, want)
                     if not err < 1e-2:
                         row[f"{variant}_error"] = "relerr above 1e-2"

@@ -242,6 +242,35 @@ class TestMGroupedTritonFlat(TestMGroupedTritonTmaLoad):
     FLAT = True
 
 
+class TestMGroupedTritonFlatClipped(TestMGroupedTritonFlat):
+    """The flat loop storing every tile, a group's partial last tile included, in one bulk copy through the
+    clipped 3-D view of out (CLIPPED_STORE). out is NaN-poisoned and groups end inside row tiles, so a copy
+    that wrote the next group's first rows (or skipped a row) fails; the spy checks each flat launch whose out
+    takes a descriptor stored this way."""
+
+    @pytest.fixture(autouse=True)
+    def clipped(self, monkeypatch):
+        from moegemm.torch import _launch
+
+        monkeypatch.setattr(_launch, "TMA_STORE", True)
+        monkeypatch.setattr(_launch, "TMA_STORE_MIN_FLOPS", 0)
+        _launch.clear_launch_cache()
+        yield
+
+    def check(self, M, K, N, sizes, dtype=torch.bfloat16, layout="transpose_w", **kwargs):
+        from moegemm.torch import _launch
+
+        before = len(self.calls)
+        out = super().check(M, K, N, sizes, dtype=dtype, layout=layout, **kwargs)
+        for _, spec in self.calls[before:]:
+            meta = _launch._m_launch(*spec).meta
+            # Every out here is contiguous with 16-byte rows where N % 8 == 0, and 2-byte where the input is.
+            clipped = meta["FLAT"] and N % 8 == 0 and dtype.itemsize == 2
+            assert meta["CLIPPED_STORE"] == clipped, (M, K, N, dtype, layout)
+            assert not meta["TMA_STORE"]
+        return out
+
+
 class TestMGroupedTritonRegisterStore(MGroupedTest):
     """Every tile stored from registers (MOEGEMM_TMA_STORE=0, and every out no descriptor fits)."""
 

@@ -42,10 +42,10 @@ from moegemm.kernels.schedule import (
 def _m_epilogue(
     acc, bias_ptr, out_desc, out_ptr, g, row0, row_end, col0, N: tl.constexpr, G: tl.constexpr, stride_om, stride_on,
     stride_bg, stride_bn, BM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
-    TMA_STORE: tl.constexpr,
+    TMA_STORE: tl.constexpr, CLIPPED_STORE: tl.constexpr = False,
 ):  # fmt: skip
     """Adds bias[g] to a BM x BLOCK_N fp32 tile (g < G) and stores its rows below row_end (``_m_tile`` says which
-    rows it holds)."""
+    rows it holds). CLIPPED_STORE: out_desc is ``_clipped_out_desc``'s view, which takes every tile."""
     offs_m = tl.arange(0, BM)
     offs_n = tl.arange(0, BLOCK_N)
     if WIDE_OFFSETS:
@@ -63,7 +63,16 @@ def _m_epilogue(
         bias = tl.load(bias_base + offs_n * stride_bn, mask=offs_n < bias_cols, other=0.0)
         acc += bias.to(tl.float32)[None, :]
     out_offs = offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    if TMA_STORE and row_end - row0 >= BM:
+    if CLIPPED_STORE:
+        # The tile's L owned rows sit at r = BM - L.. of the view's block at t = row0 + L, and its rows past
+        # the group's end at r >= BM, which the copy engine clips (see _clipped_out_desc). The reshape keeps
+        # the wgmma layout, so the staging write needs no layout-conversion scratch (perf-notes 25).
+        owned = tl.minimum(row_end - row0, BM)
+        out_desc.store(
+            [(row0 + owned).to(tl.int32), (BM - owned).to(tl.int32), col0.to(tl.int32)],
+            tl.reshape(acc.to(out_desc.dtype), [1, BM, BLOCK_N]),
+        )
+    elif TMA_STORE and row_end - row0 >= BM:
         # Every row of the tile is owned: one bulk copy from shared memory stores it (clipped at N)
         # under the next tile's main loop. A group's last, partial tile must not touch the next
         # group's rows, which the descriptor cannot clip, so it takes the masked store.
@@ -74,6 +83,18 @@ def _m_epilogue(
             acc.to(out_ptr.dtype.element_ty),
             mask=row_mask[:, None] & col_mask[None, :],
         )
+
+
+@triton.jit
+def _clipped_out_desc(out_ptr, M, N: tl.constexpr, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A 3-D view [M + BM, BM, N] of out whose element (t, r, n) is out[t + r - BM, n] (the two row axes
+    overlap: both step by stride_om, from BM rows before out). A block [1, BM, BLOCK_N] at (t, r, col0) covers
+    rows t + r - BM .. t - 1 of out, and the copy engine drops its rows at r >= BM: stored at t = row_end
+    of a tile's rows, r = BM - rows, it writes exactly those rows, so one bulk copy stores a group's partial
+    last tile without touching the next group's rows, which the 2-D descriptor cannot clip."""
+    return tl.make_tensor_descriptor(
+        out_ptr - BM * stride_om, [M + BM, BM, N], [stride_om, stride_om, 1], [1, BM, BLOCK_N]
+    )
 
 
 @triton.jit
@@ -174,10 +195,10 @@ def _m_tile(
 
 @triton.jit
 def _m_flat_loop(
-    x_desc, w_desc, bias_ptr, out_desc, out_ptr, pid, offs, starts, ends, m_tiles, tile_ends, total_tiles, n_tiles,
+    x_desc, w_desc, bias_ptr, out_ptr, pid, offs, starts, ends, m_tiles, tile_ends, total_tiles, n_tiles, M,
     N: tl.constexpr, K: tl.constexpr, G: tl.constexpr, stride_om, stride_on, stride_bg, stride_bn,
     NUM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M,
-    W_K_CONTIGUOUS: tl.constexpr, HAS_BIAS: tl.constexpr, WIDE_OFFSETS: tl.constexpr, TMA_STORE: tl.constexpr,
+    W_K_CONTIGUOUS: tl.constexpr, HAS_BIAS: tl.constexpr, WIDE_OFFSETS: tl.constexpr, CLIPPED_STORE: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """The program's tiles (pid, pid + NUM_PROGRAMS, ...) as one loop over all their reduction steps, with each
@@ -185,7 +206,11 @@ def _m_flat_loop(
     pipeliner then loads the next tile's first steps while this one finishes and stores, where the per-tile
     loop fills and drains its pipeline at every tile. Every tile is BLOCK_M high. A tile of the unowned rows
     (g == G) takes one step: its w rows lie past the descriptor's G experts, which the copy engine reads as
-    zeros, so it stores zeros."""
+    zeros, so it stores zeros. CLIPPED_STORE: every tile leaves through one bulk copy (``_clipped_out_desc``),
+    else through the masked register store."""
+    out_desc = out_ptr
+    if CLIPPED_STORE:
+        out_desc = _clipped_out_desc(out_ptr, M, N, stride_om, BLOCK_M, BLOCK_N)
     k_steps = tl.cdiv(K, BLOCK_K)
     gemm_tiles = pick(tile_ends, offs, G - 1)  # tiles of groups 0..G-1; the unowned rows' follow
     my_tiles = strided_share(total_tiles, pid, NUM_PROGRAMS)
@@ -220,7 +245,7 @@ def _m_flat_loop(
         if step == num_steps - 1:
             _m_epilogue(
                 acc, bias_ptr, out_desc, out_ptr, g, row0, row_end, col0, N, G, stride_om, stride_on, stride_bg,
-                stride_bn, BLOCK_M, BLOCK_N, HAS_BIAS, WIDE_OFFSETS, TMA_STORE,
+                stride_bn, BLOCK_M, BLOCK_N, HAS_BIAS, WIDE_OFFSETS, False, CLIPPED_STORE,
             )  # fmt: skip
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
@@ -270,6 +295,7 @@ def m_grouped_mm_kernel(
     MIXED_M: tl.constexpr,  # a tile with at most BLOCK_M // 2 rows left in its group runs BLOCK_M // 2 high
     TAIL_SPLIT: tl.constexpr,  # the last, partial round's tiles run as two BLOCK_M // 2 high halves each
     FLAT: tl.constexpr,  # TMA_LOAD only: one loop over every step of the program's tiles (flat_fits)
+    CLIPPED_STORE: tl.constexpr,  # FLAT only: every tile through one bulk copy (_clipped_out_desc)
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot is wrong on bf16 operands
     PRECISION: tl.constexpr,
 ):
@@ -308,9 +334,9 @@ def m_grouped_mm_kernel(
         w_desc = w_ptr
     if FLAT:
         _m_flat_loop(
-            x_desc, w_desc, bias_ptr, out_desc, out_ptr, pid, offs, starts, ends, m_tiles, tile_ends, total_tiles,
-            n_tiles, N, K, G, stride_om, stride_on, stride_bg, stride_bn, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K,
-            GROUP_M, W_K_CONTIGUOUS, HAS_BIAS, WIDE_OFFSETS, TMA_STORE, UPCAST, PRECISION,
+            x_desc, w_desc, bias_ptr, out_ptr, pid, offs, starts, ends, m_tiles, tile_ends, total_tiles, n_tiles, M,
+            N, K, G, stride_om, stride_on, stride_bg, stride_bn, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+            W_K_CONTIGUOUS, HAS_BIAS, WIDE_OFFSETS, CLIPPED_STORE, UPCAST, PRECISION,
         )  # fmt: skip
         return
     # The work items: tiles, except that with TAIL_SPLIT the last, partial round's tiles (``tail`` of them,
@@ -437,6 +463,13 @@ def flat_shared_bytes(config, in_itemsize: int) -> int:
     return ring_bytes(config, in_itemsize) + scratch
 
 
+def clipped_store_fits(config, in_itemsize: int) -> bool:
+    """Whether the flat loop's bulk-copy store (CLIPPED_STORE) fits: its ring stays live beside a BLOCK_M x
+    BLOCK_N 2-byte staging tile, and no masked store leaves layout-conversion scratch."""
+    staging = config.block_m * config.block_n * 2
+    return sm90_shared_fits(ring_bytes(config, in_itemsize) + staging, config.ctas_per_sm)
+
+
 def flat_fits(config, K: int, in_itemsize: int, tma_load: bool, has_group_offset: bool) -> bool:
     """Whether a launch runs the flat loop: TMA loads (the nested loop's cp.async path has no flat twin), no
     group offset (its zero tiles live in the per-tile loop), K <= FLAT_MAX_K, where a tile's pipeline fill is
@@ -500,7 +533,8 @@ class MGroupedLaunch:
         tail_split: the last, partial round of tiles may run as half-high halves on twice as many programs
         (same caller check as mixed_m; used where half-high tiles fit, ``half_tiles_fit``).
         flat: one loop over every step of the program's tiles (``configs.M_FLAT``); used where ``flat_fits``, and
-        then with neither mixed heights, a split tail nor the TMA store.
+        then with neither mixed heights nor a split tail; with ``tma_store`` it stores every tile through a
+        descriptor it makes (CLIPPED_STORE) where ``clipped_store_fits``, else from registers.
         """
         bm, bn = config.block_m, config.block_n
         tma_load = tma_load and not fp32_inputs and tma_load_fits(K, config.block_k, w_k_contiguous)
@@ -531,6 +565,7 @@ class MGroupedLaunch:
             MIXED_M=mixed_m and mixed_m_fits(bm, K, N, interpret) and not flat,
             TAIL_SPLIT=tail_split and half_tiles_fit(bm, K, N, interpret) and not flat,
             FLAT=flat,
+            CLIPPED_STORE=flat and tma_store and M + bm < 2**31 and clipped_store_fits(config, 2),
             UPCAST=interpret,
             PRECISION="ieee" if fp32_inputs or interpret else "tf32",
             num_warps=config.num_warps,

@@ -147,7 +147,9 @@ def _m_grouped(
         w_k_contiguous=w_k_contiguous, has_bias=True, tma_store=tma_store, tma_load=tma_load, mixed_m=mixed_m,
         tail_split=tail_split, flat=flat,
     )  # fmt: skip
-    assert launch.meta["TMA_STORE"] == tma_store, config
+    # The flat loop stores through the descriptor it makes (CLIPPED_STORE), not the host one.
+    assert launch.meta["TMA_STORE"] == (tma_store and not flat), config
+    assert launch.meta["CLIPPED_STORE"] == (tma_store and flat), config
     assert launch.meta["TMA_LOAD"] == tma_load, config
     assert launch.meta["MIXED_M"] == mixed_m, (config, K)
     assert launch.meta["FLAT"] == flat, (config, K)
@@ -157,7 +159,7 @@ def _m_grouped(
         "x_ptr": "*bf16", "w_ptr": "*bf16", "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32",
         "bias_ptr": "*bf16", "out_desc": "*bf16", "out_ptr": "*bf16",
     }  # fmt: skip
-    if tma_store:
+    if launch.meta["TMA_STORE"]:
         pointers["out_desc"] = _tl_desc([launch.meta["BLOCK_M"], launch.meta["BLOCK_N"]])
     w_strides = dict(stride_wk=1, stride_wn=K) if w_k_contiguous else dict(stride_wk=N, stride_wn=1)
     values = dict(
@@ -237,6 +239,19 @@ KERNELS = {
         if sm90_shared_fits(m_grouped.flat_shared_bytes(config, 2), config.ctas_per_sm)
     },
     "m_grouped-flat-dgrad": lambda: _m_grouped(tma_load=True, K=1024, flat=True, w_k_contiguous=False),
+    # The flat loop storing every tile in one bulk copy (CLIPPED_STORE): every candidate it admits (the ring
+    # beside the staging tile: m_grouped.clipped_store_fits must hold), the dgrad.
+    **{
+        f"m_grouped-flat-clipped-{i}": (
+            lambda c=config: _m_grouped(c, tma_store=True, tma_load=True, K=1024, flat=True)
+        )
+        for i, config in enumerate(configs.candidates("m_grouped", "sm90"))
+        if sm90_shared_fits(m_grouped.flat_shared_bytes(config, 2), config.ctas_per_sm)
+        and m_grouped.clipped_store_fits(config, 2)
+    },
+    "m_grouped-flat-clipped-dgrad": lambda: _m_grouped(
+        tma_store=True, tma_load=True, K=1024, flat=True, w_k_contiguous=False
+    ),
     "m_grouped-mixed-m": lambda: _m_grouped(mixed_m=True, K=2048),
     "m_grouped-mixed-m-dgrad": lambda: _m_grouped(mixed_m=True, K=2048, w_k_contiguous=False),
     "m_grouped_tma_store-tma-load-mixed-m": lambda: _m_grouped(
