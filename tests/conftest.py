@@ -75,14 +75,24 @@ def spy_store_paths(monkeypatch, op: str) -> list[tuple[str, tuple]]:
 
 
 def record_launches(monkeypatch, op: str) -> list[tuple[str, tuple]]:
-    """Records (launch name, spec) of every direct launch of ``op`` ("m_grouped" or "k_grouped"): the
-    register-store one ("M_GROUPED"/"K_GROUPED") and the TMA-store one ("_TMA"), each still launching."""
+    """Records (store path, spec) of every direct launch of ``op`` ("m_grouped" or "k_grouped"), each still
+    launching: "M_GROUPED"/"K_GROUPED" for the register store, "M_GROUPED_TMA"/"K_GROUPED_TMA" for the TMA
+    store (k_grouped has a launch of each; m_grouped one launch, whose meta says which store it makes)."""
     from moegemm.torch import _launch
 
     calls = []
-    for name in (op.upper(), op.upper() + "_TMA"):
+
+    def name_of(name, spec):
+        if name == "M_GROUPED" and _launch._m_launch(*spec).meta["TMA_STORE"]:
+            return "M_GROUPED_TMA"
+        return name
+
+    for name in {"m_grouped": ("M_GROUPED",), "k_grouped": ("K_GROUPED", "K_GROUPED_TMA")}[op]:
         direct = getattr(_launch, name)
-        record = lambda *a, name=name, inner=direct.launch: (calls.append((name, a[0])), inner(*a))  # noqa: E731
+        record = lambda *a, name=name, inner=direct.launch: (
+            calls.append((name_of(name, a[0]), a[0])),
+            inner(*a),
+        )  # noqa: E731
         monkeypatch.setattr(direct, "launch", record)
     return calls
 

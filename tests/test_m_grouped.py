@@ -106,9 +106,9 @@ class TestMGroupedTriton(MGroupedTest):
 
 
 class TestMGroupedTritonTmaStore(MGroupedTest):
-    """2-byte outputs, whole-tile rows stored through a TMA descriptor over out [M, N] (the default where
-    out allows one; the interpreter runs the same path), a group's partial last tile from registers. A
-    spy fails any test whose launch did not take the path out's layout calls for."""
+    """2-byte outputs, every BLOCK_M high tile stored through the kernel's clipped TMA view of out (the default
+    where out allows one; the interpreter runs the same path), a group's partial last tile included, half-high
+    tiles from registers. A spy fails any test whose launch did not take the path out's layout calls for."""
 
     BACKEND = "triton"
     pytestmark = pytest.mark.gpu
@@ -132,8 +132,8 @@ class TestMGroupedTritonTmaStore(MGroupedTest):
         return out
 
     def test_group_boundaries_inside_tiles(self):
-        """Groups of 1, 31, 33, 64 and 95 rows: whole tiles through the descriptor, each partial last
-        tile masked so that it cannot write the next group's first rows, a hot expert's many tiles."""
+        """Groups of 1, 31, 33, 64 and 95 rows: every tile through the descriptor, each partial last tile
+        clipped so that it cannot write the next group's first rows, a hot expert's many tiles."""
         self.check(300, 48, 40, [1, 31, 33, 0, 64, 95, 70], bias=True)
 
 
@@ -242,32 +242,27 @@ class TestMGroupedTritonFlat(TestMGroupedTritonTmaLoad):
     FLAT = True
 
 
-class TestMGroupedTritonFlatClipped(TestMGroupedTritonFlat):
-    """The flat loop storing every tile, a group's partial last tile included, in one bulk copy through the
-    clipped 3-D view of out (CLIPPED_STORE). out is NaN-poisoned and groups end inside row tiles, so a copy
-    that wrote the next group's first rows (or skipped a row) fails; the spy checks each flat launch whose out
-    takes a descriptor stored this way."""
+class TestMGroupedTritonFlatTmaStore(TestMGroupedTritonFlat):
+    """The flat loop with the TMA store: every tile, a group's partial last one included, leaves in one bulk
+    copy through the clipped 3-D view of out, and the loop has no masked store. out is NaN-poisoned and groups
+    end inside row tiles, so a copy that wrote the next group's first rows (or skipped a row) fails. Configs
+    without room for the staging tile give way to the table's default (``spy_store_paths``); the spy checks
+    each flat launch whose out takes a descriptor stored this way."""
 
     @pytest.fixture(autouse=True)
-    def clipped(self, monkeypatch):
-        from moegemm.torch import _launch
-
-        monkeypatch.setattr(_launch, "TMA_STORE", True)
-        monkeypatch.setattr(_launch, "TMA_STORE_MIN_FLOPS", 0)
-        _launch.clear_launch_cache()
+    def tma_store(self, monkeypatch):
+        self.store_calls = spy_store_paths(monkeypatch, "m_grouped")
         yield
 
     def check(self, M, K, N, sizes, dtype=torch.bfloat16, layout="transpose_w", **kwargs):
         from moegemm.torch import _launch
 
-        before = len(self.calls)
+        before = len(self.store_calls)
         out = super().check(M, K, N, sizes, dtype=dtype, layout=layout, **kwargs)
-        for _, spec in self.calls[before:]:
+        for _, spec in self.store_calls[before:]:
             meta = _launch._m_launch(*spec).meta
-            # Every out here is contiguous with 16-byte rows where N % 8 == 0, and 2-byte where the input is.
-            clipped = meta["FLAT"] and N % 8 == 0 and dtype.itemsize == 2
-            assert meta["CLIPPED_STORE"] == clipped, (M, K, N, dtype, layout)
-            assert not meta["TMA_STORE"]
+            # out is contiguous: its rows are 16-byte aligned where N % 8 == 0.
+            assert meta["TMA_STORE"] == (N % 8 == 0 and dtype.itemsize == 2), (M, K, N, dtype, layout)
         return out
 
 
@@ -282,8 +277,10 @@ class TestMGroupedTritonRegisterStore(MGroupedTest):
         from moegemm.torch import _launch
 
         monkeypatch.setattr(_launch, "TMA_STORE", False)
-        monkeypatch.setattr(_launch.M_GROUPED_TMA, "launch", lambda *a: pytest.fail("TMA store launched"))
+        _launch.clear_launch_cache()
+        calls = record_launches(monkeypatch, "m_grouped")
         yield
+        assert "M_GROUPED_TMA" not in [name for name, _ in calls], "TMA store launched"
 
 
 class TestMGroupedTritonUniformM(MGroupedTest):
@@ -423,8 +420,8 @@ def test_tail_split_halves_match_whole_tiles(monkeypatch, layout, tma):
 
 def test_flat_rule():
     """Where launches take the flat loop: TMA loads, no group offset, K <= FLAT_MAX_K, the ring and scratch of
-    the config's CTAs fit an SM; then with neither mixed heights, a split tail nor the TMA store (the flat
-    128 x 256 tile with a staging tile needs 245 KB)."""
+    the config's CTAs fit an SM; then with neither mixed heights nor a split tail, and with the TMA store where
+    the ring and the staging tile fit (128 x 256 at 3 stages: 208 KB)."""
     big = configs.MGroupedConfig(128, 256, 64)
     limit = m_grouped.FLAT_MAX_K
 
@@ -441,9 +438,12 @@ def test_flat_rule():
     assert not meta(1024, config=configs.MGroupedConfig(128, 128, 64, 8, 8, 3, 2))["FLAT"]
     assert meta(1024, config=configs.MGroupedConfig(128, 128, 64, 8, 4, 3, 2))["FLAT"]
     on = meta(1024)
-    assert not (on["MIXED_M"] or on["TAIL_SPLIT"] or on["TMA_STORE"]), on
+    assert on["TMA_STORE"] and not (on["MIXED_M"] or on["TAIL_SPLIT"]), on
     off = meta(1024, flat=False)
     assert off["MIXED_M"] and off["TAIL_SPLIT"] and off["TMA_STORE"], off
+    # 4 stages of 128 x 256: the 192 KB ring fits the flat loop with its 32 KB scratch, not with a 64 KB staging.
+    deep = meta(1024, config=configs.MGroupedConfig(128, 256, 64, 8, 8, 4))
+    assert deep["FLAT"] and not deep["TMA_STORE"], deep
 
 
 def test_mixed_m_rule():

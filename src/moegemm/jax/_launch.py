@@ -176,9 +176,9 @@ def m_grouped_mm_call(
     )
     sizes |= dict(stride_wg=stride_wg, stride_wk=stride_wk, stride_wn=stride_wn)
     out_shape = jax.ShapeDtypeStruct((M, N), jnp.dtype(out_dtype))
-    # No bias (HAS_BIAS=False): the kernel never reads bias_ptr, and without TMA_STORE (jax-triton 0.3.1
-    # cannot pass TMA descriptors) never out_desc; x fills both slots.
-    args = (x, w, group_sizes, _offset_arg(group_offset, group_sizes), x, x)
+    # No bias (HAS_BIAS=False): the kernel never reads bias_ptr; x fills that slot. TMA_STORE stays off: the
+    # kernel would make its descriptor in Triton's global scratch, which jax-triton 0.3.1 passes as null.
+    args = (x, w, group_sizes, _offset_arg(group_offset, group_sizes), x)
     return KernelCall(m_grouped_mm_kernel, launch.grid, args, out_shape, {**launch.meta, **sizes}, {})
 
 

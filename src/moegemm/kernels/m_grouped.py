@@ -13,9 +13,10 @@ Persistent kernel. The tile space is laid out group by group: group g owns
 owns the unowned tail rows, which are zero-filled (with a group offset the unowned rows before and
 after the local groups are zero tiles interleaved with the GEMM tiles). The real number of tiles is only known on
 the device, so the grid is ``min(upper bound, programs)`` and each program strides over the
-tile space until the device-side total. With ``TMA_STORE`` (a 2-byte out, PyTorch on sm90) a tile whose
-rows all belong to its group leaves through shared memory and a bulk tensor copy that runs under the
-next tile's main loop; a group's partial last tile keeps the masked store. Schedule variants, all
+tile space until the device-side total. With ``TMA_STORE`` (a 2-byte out, PyTorch on sm90) every BLOCK_M
+high tile, a group's partial last one included, leaves through shared memory and a bulk tensor copy that
+runs under the next tile's main loop, clipped at its group's end (``_clipped_out_desc``); half-high tiles
+keep the masked store. Schedule variants, all
 from the same tile space: ``MIXED_M`` runs a group's last row tile half high where at most half its
 rows are left; ``TAIL_SPLIT`` runs the last, partial round's tiles as two half-high halves on two
 programs; ``FLAT`` (TMA loads, short K) runs one loop over every step of a program's tiles.
@@ -42,10 +43,11 @@ from moegemm.kernels.schedule import (
 def _m_epilogue(
     acc, bias_ptr, out_desc, out_ptr, g, row0, row_end, col0, N: tl.constexpr, G: tl.constexpr, stride_om, stride_on,
     stride_bg, stride_bn, BM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
-    TMA_STORE: tl.constexpr, CLIPPED_STORE: tl.constexpr = False,
+    TMA_STORE: tl.constexpr,
 ):  # fmt: skip
     """Adds bias[g] to a BM x BLOCK_N fp32 tile (g < G) and stores its rows below row_end (``_m_tile`` says which
-    rows it holds). CLIPPED_STORE: out_desc is ``_clipped_out_desc``'s view, which takes every tile."""
+    rows it holds): with TMA_STORE in one bulk copy through ``_clipped_out_desc``'s view (out_desc), which runs
+    under the next tile's main loop, else from registers with a mask."""
     offs_m = tl.arange(0, BM)
     offs_n = tl.arange(0, BLOCK_N)
     if WIDE_OFFSETS:
@@ -63,7 +65,7 @@ def _m_epilogue(
         bias = tl.load(bias_base + offs_n * stride_bn, mask=offs_n < bias_cols, other=0.0)
         acc += bias.to(tl.float32)[None, :]
     out_offs = offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    if CLIPPED_STORE:
+    if TMA_STORE:
         # The tile's L owned rows sit at r = BM - L.. of the view's block at t = row0 + L, and its rows past
         # the group's end at r >= BM, which the copy engine clips (see _clipped_out_desc). The reshape keeps
         # the wgmma layout, so the staging write needs no layout-conversion scratch (perf-notes 25).
@@ -72,11 +74,6 @@ def _m_epilogue(
             [(row0 + owned).to(tl.int32), (BM - owned).to(tl.int32), col0.to(tl.int32)],
             tl.reshape(acc.to(out_desc.dtype), [1, BM, BLOCK_N]),
         )
-    elif TMA_STORE and row_end - row0 >= BM:
-        # Every row of the tile is owned: one bulk copy from shared memory stores it (clipped at N)
-        # under the next tile's main loop. A group's last, partial tile must not touch the next
-        # group's rows, which the descriptor cannot clip, so it takes the masked store.
-        out_desc.store([row0.to(tl.int32), col0.to(tl.int32)], acc.to(out_desc.dtype))
     else:
         tl.store(
             out_base + out_offs,
@@ -91,7 +88,8 @@ def _clipped_out_desc(out_ptr, M, N: tl.constexpr, stride_om, BM: tl.constexpr, 
     overlap: both step by stride_om, from BM rows before out). A block [1, BM, BLOCK_N] at (t, r, col0) covers
     rows t + r - BM .. t - 1 of out, and the copy engine drops its rows at r >= BM: stored at t = row_end
     of a tile's rows, r = BM - rows, it writes exactly those rows, so one bulk copy stores a group's partial
-    last tile without touching the next group's rows, which the 2-D descriptor cannot clip."""
+    last tile without touching the next group's rows, which a 2-D descriptor over out cannot clip. Made on the
+    device (Triton's global scratch), so the launch encodes no host descriptor (perf-notes 24: ~22 us)."""
     return tl.make_tensor_descriptor(
         out_ptr - BM * stride_om, [M + BM, BM, N], [stride_om, stride_om, 1], [1, BM, BLOCK_N]
     )
@@ -104,7 +102,7 @@ def _m_tile(
     x_desc,  # TMA_LOAD: a device descriptor over x [M, K], block [BM, BLOCK_K]; else unused
     w_desc,  # TMA_LOAD: a device descriptor over w's 2-D view; else unused
     bias_ptr,
-    out_desc,  # TMA_STORE: a host descriptor over out [M, N], block [BM, BLOCK_N]; else unused
+    out_desc,  # TMA_STORE: _clipped_out_desc's view of out; else unused
     out_ptr,
     g,
     row0,
@@ -195,10 +193,10 @@ def _m_tile(
 
 @triton.jit
 def _m_flat_loop(
-    x_desc, w_desc, bias_ptr, out_ptr, pid, offs, starts, ends, m_tiles, tile_ends, total_tiles, n_tiles, M,
+    x_desc, w_desc, bias_ptr, out_desc, out_ptr, pid, offs, starts, ends, m_tiles, tile_ends, total_tiles, n_tiles,
     N: tl.constexpr, K: tl.constexpr, G: tl.constexpr, stride_om, stride_on, stride_bg, stride_bn,
     NUM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M,
-    W_K_CONTIGUOUS: tl.constexpr, HAS_BIAS: tl.constexpr, WIDE_OFFSETS: tl.constexpr, CLIPPED_STORE: tl.constexpr,
+    W_K_CONTIGUOUS: tl.constexpr, HAS_BIAS: tl.constexpr, WIDE_OFFSETS: tl.constexpr, TMA_STORE: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """The program's tiles (pid, pid + NUM_PROGRAMS, ...) as one loop over all their reduction steps, with each
@@ -206,11 +204,7 @@ def _m_flat_loop(
     pipeliner then loads the next tile's first steps while this one finishes and stores, where the per-tile
     loop fills and drains its pipeline at every tile. Every tile is BLOCK_M high. A tile of the unowned rows
     (g == G) takes one step: its w rows lie past the descriptor's G experts, which the copy engine reads as
-    zeros, so it stores zeros. CLIPPED_STORE: every tile leaves through one bulk copy (``_clipped_out_desc``),
-    else through the masked register store."""
-    out_desc = out_ptr
-    if CLIPPED_STORE:
-        out_desc = _clipped_out_desc(out_ptr, M, N, stride_om, BLOCK_M, BLOCK_N)
+    zeros, so it stores zeros. With TMA_STORE every tile leaves through one bulk copy (``_m_epilogue``)."""
     k_steps = tl.cdiv(K, BLOCK_K)
     gemm_tiles = pick(tile_ends, offs, G - 1)  # tiles of groups 0..G-1; the unowned rows' follow
     my_tiles = strided_share(total_tiles, pid, NUM_PROGRAMS)
@@ -245,7 +239,7 @@ def _m_flat_loop(
         if step == num_steps - 1:
             _m_epilogue(
                 acc, bias_ptr, out_desc, out_ptr, g, row0, row_end, col0, N, G, stride_om, stride_on, stride_bg,
-                stride_bn, BLOCK_M, BLOCK_N, HAS_BIAS, WIDE_OFFSETS, False, CLIPPED_STORE,
+                stride_bn, BLOCK_M, BLOCK_N, HAS_BIAS, WIDE_OFFSETS, TMA_STORE,
             )  # fmt: skip
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
@@ -262,7 +256,6 @@ def m_grouped_mm_kernel(
     group_sizes_ptr,
     group_offset_ptr,  # int32 [1]: the first local group (read only with HAS_GROUP_OFFSET)
     bias_ptr,
-    out_desc,  # TMA_STORE: a host TensorDescriptor over out [M, N], block [BLOCK_M, BLOCK_N]; else unused
     out_ptr,
     M,
     N: tl.constexpr,
@@ -290,12 +283,11 @@ def m_grouped_mm_kernel(
     W_K_CONTIGUOUS: tl.constexpr,  # stride_wk == 1, e.g. an nn.Linear weight [G, N, K] passed as w.mT
     HAS_BIAS: tl.constexpr,  # add bias[g] to every owned row; bias_ptr is not read otherwise
     WIDE_OFFSETS: tl.constexpr,
-    TMA_STORE: tl.constexpr,  # store tiles whose rows are all owned through out_desc (bulk async copies)
+    TMA_STORE: tl.constexpr,  # BLOCK_M high tiles leave in bulk async copies (_clipped_out_desc; 2-byte out)
     TMA_LOAD: tl.constexpr,  # load x and w through TMA descriptors the kernel makes once per program
     MIXED_M: tl.constexpr,  # a tile with at most BLOCK_M // 2 rows left in its group runs BLOCK_M // 2 high
     TAIL_SPLIT: tl.constexpr,  # the last, partial round's tiles run as two BLOCK_M // 2 high halves each
     FLAT: tl.constexpr,  # TMA_LOAD only: one loop over every step of the program's tiles (flat_fits)
-    CLIPPED_STORE: tl.constexpr,  # FLAT only: every tile through one bulk copy (_clipped_out_desc)
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot is wrong on bf16 operands
     PRECISION: tl.constexpr,
 ):
@@ -332,11 +324,14 @@ def m_grouped_mm_kernel(
         x_desc = x_ptr
         x_desc_half = x_ptr
         w_desc = w_ptr
+    out_desc = out_ptr  # a placeholder without TMA_STORE
+    if TMA_STORE:
+        out_desc = _clipped_out_desc(out_ptr, M, N, stride_om, BLOCK_M, BLOCK_N)
     if FLAT:
         _m_flat_loop(
-            x_desc, w_desc, bias_ptr, out_ptr, pid, offs, starts, ends, m_tiles, tile_ends, total_tiles, n_tiles, M,
-            N, K, G, stride_om, stride_on, stride_bg, stride_bn, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-            W_K_CONTIGUOUS, HAS_BIAS, WIDE_OFFSETS, CLIPPED_STORE, UPCAST, PRECISION,
+            x_desc, w_desc, bias_ptr, out_desc, out_ptr, pid, offs, starts, ends, m_tiles, tile_ends, total_tiles,
+            n_tiles, N, K, G, stride_om, stride_on, stride_bg, stride_bn, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K,
+            GROUP_M, W_K_CONTIGUOUS, HAS_BIAS, WIDE_OFFSETS, TMA_STORE, UPCAST, PRECISION,
         )  # fmt: skip
         return
     # The work items: tiles, except that with TAIL_SPLIT the last, partial round's tiles (``tail`` of them,
@@ -366,7 +361,7 @@ def m_grouped_mm_kernel(
         # with at most half its rows left, where the full tile's MMA work would mostly be on rows it never
         # stores. One call site for both: with two, the sm_90a compile of the mixed-height forward took
         # 245 760 bytes of shared memory instead of 147 456 (more than an SM has). It takes the masked store
-        # (out_desc's block is BLOCK_M high); an empty lower half (its group had at most HALF_M rows left)
+        # (the TMA store's block is BLOCK_M high); an empty lower half (its group had at most HALF_M rows left)
         # does nothing.
         if TAIL_SPLIT and MIXED_M:
             half = (work >= full) | (row_end - row0 <= HALF_M)
@@ -456,18 +451,13 @@ FLAT_MAX_K = 1536
 
 
 def flat_shared_bytes(config, in_itemsize: int) -> int:
-    """Shared memory of the flat loop: its operand ring stays live through the epilogue, beside the masked
-    store's layout-conversion scratch. The scratch as sm_90a compiles showed it on triton 3.6 and 3.9 (32 KB at
-    8 warps, BLOCK_N * 64 bytes at 4); tests/test_sm90_compile.py compiles every candidate this admits."""
+    """Shared memory of the flat loop with the register store: its operand ring stays live through the
+    epilogue, beside the masked store's layout-conversion scratch. The scratch as sm_90a compiles showed it on
+    triton 3.6 and 3.9 (32 KB at 8 warps, BLOCK_N * 64 bytes at 4); tests/test_sm90_compile.py compiles every
+    candidate this admits. The TMA store's staging tile is no smaller than that scratch, and the flat loop with
+    it has no masked store, so ``tma_store_fits`` decides that store alone."""
     scratch = 32768 if config.num_warps == 8 else config.block_n * 64
     return ring_bytes(config, in_itemsize) + scratch
-
-
-def clipped_store_fits(config, in_itemsize: int) -> bool:
-    """Whether the flat loop's bulk-copy store (CLIPPED_STORE) fits: its ring stays live beside a BLOCK_M x
-    BLOCK_N 2-byte staging tile, and no masked store leaves layout-conversion scratch."""
-    staging = config.block_m * config.block_n * 2
-    return sm90_shared_fits(ring_bytes(config, in_itemsize) + staging, config.ctas_per_sm)
 
 
 def flat_fits(config, K: int, in_itemsize: int, tma_load: bool, has_group_offset: bool) -> bool:
@@ -522,8 +512,10 @@ class MGroupedLaunch:
         has_bias: the launch passes a [G, N] bias (its strides count in max_stride).
         g_total: expert parallelism: group_sizes has g_total entries, w the G local groups from a
         device-side group offset (None: no offset, g_total = G).
-        tma_store: the launch can pass a TensorDescriptor over a 2-byte out; used where the config's
-        shared memory leaves room for the staging tile (``tma_store_fits``).
+        tma_store: out is 2-byte with a unit column stride and a 16-byte aligned base and row stride (the
+        kernel makes a descriptor over it); used where the config's shared memory leaves room for the staging
+        tile beside the ring (``tma_store_fits``; in the flat loop the ring stays live through the epilogue, as
+        the estimate assumes anyway).
         tma_load: the launch can read x and w through descriptors the kernel makes (the launcher checked
         K > 0, unit inner strides, 16-byte row strides and bases, w's groups back to back, int32 coordinates);
         used for 2-byte inputs where an N-contiguous w has K % BLOCK_K == 0 (``tma_load_fits``).
@@ -533,8 +525,7 @@ class MGroupedLaunch:
         tail_split: the last, partial round of tiles may run as half-high halves on twice as many programs
         (same caller check as mixed_m; used where half-high tiles fit, ``half_tiles_fit``).
         flat: one loop over every step of the program's tiles (``configs.M_FLAT``); used where ``flat_fits``, and
-        then with neither mixed heights nor a split tail; with ``tma_store`` it stores every tile through a
-        descriptor it makes (CLIPPED_STORE) where ``clipped_store_fits``, else from registers.
+        then with neither mixed heights nor a split tail.
         """
         bm, bn = config.block_m, config.block_n
         tma_load = tma_load and not fp32_inputs and tma_load_fits(K, config.block_k, w_k_contiguous)
@@ -558,14 +549,12 @@ class MGroupedLaunch:
             W_K_CONTIGUOUS=w_k_contiguous,
             HAS_BIAS=has_bias,
             WIDE_OFFSETS=2 * max(bm, bn, K + config.block_k) * max_stride >= 2**31,
-            # The flat loop keeps its operand ring live through the epilogue, beside the masked store's 32 KB
-            # of layout-conversion scratch: with a staging tile too, 128 x 256 compiles to 245 KB.
-            TMA_STORE=tma_store and tma_store_fits(config, 4 if fp32_inputs else 2) and not flat,
+            # The view's row extent, M + BLOCK_M, is an int32.
+            TMA_STORE=tma_store and M + bm < 2**31 and tma_store_fits(config, 4 if fp32_inputs else 2),
             TMA_LOAD=tma_load,
             MIXED_M=mixed_m and mixed_m_fits(bm, K, N, interpret) and not flat,
             TAIL_SPLIT=tail_split and half_tiles_fit(bm, K, N, interpret) and not flat,
             FLAT=flat,
-            CLIPPED_STORE=flat and tma_store and M + bm < 2**31 and clipped_store_fits(config, 2),
             UPCAST=interpret,
             PRECISION="ieee" if fp32_inputs or interpret else "tf32",
             num_warps=config.num_warps,

@@ -147,9 +147,7 @@ def _m_grouped(
         w_k_contiguous=w_k_contiguous, has_bias=True, tma_store=tma_store, tma_load=tma_load, mixed_m=mixed_m,
         tail_split=tail_split, flat=flat,
     )  # fmt: skip
-    # The flat loop stores through the descriptor it makes (CLIPPED_STORE), not the host one.
-    assert launch.meta["TMA_STORE"] == (tma_store and not flat), config
-    assert launch.meta["CLIPPED_STORE"] == (tma_store and flat), config
+    assert launch.meta["TMA_STORE"] == tma_store, config
     assert launch.meta["TMA_LOAD"] == tma_load, config
     assert launch.meta["MIXED_M"] == mixed_m, (config, K)
     assert launch.meta["FLAT"] == flat, (config, K)
@@ -157,10 +155,8 @@ def _m_grouped(
     assert launch.meta["TAIL_SPLIT"] == (tail_split and half)
     pointers = {
         "x_ptr": "*bf16", "w_ptr": "*bf16", "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32",
-        "bias_ptr": "*bf16", "out_desc": "*bf16", "out_ptr": "*bf16",
+        "bias_ptr": "*bf16", "out_ptr": "*bf16",
     }  # fmt: skip
-    if launch.meta["TMA_STORE"]:
-        pointers["out_desc"] = _tl_desc([launch.meta["BLOCK_M"], launch.meta["BLOCK_N"]])
     w_strides = dict(stride_wk=1, stride_wn=K) if w_k_contiguous else dict(stride_wk=N, stride_wn=1)
     values = dict(
         M=M, N=N, K=K, G=G, G_TOTAL=G, stride_xm=K, stride_xk=1, stride_wg=N * K, **w_strides,
@@ -239,17 +235,17 @@ KERNELS = {
         if sm90_shared_fits(m_grouped.flat_shared_bytes(config, 2), config.ctas_per_sm)
     },
     "m_grouped-flat-dgrad": lambda: _m_grouped(tma_load=True, K=1024, flat=True, w_k_contiguous=False),
-    # The flat loop storing every tile in one bulk copy (CLIPPED_STORE): every candidate it admits (the ring
-    # beside the staging tile: m_grouped.clipped_store_fits must hold), the dgrad.
+    # The flat loop with the TMA store (every tile in one bulk copy, no masked store): every candidate it admits
+    # (the ring beside the staging tile: m_grouped.tma_store_fits must hold), the dgrad.
     **{
-        f"m_grouped-flat-clipped-{i}": (
+        f"m_grouped-flat-tma-store-{i}": (
             lambda c=config: _m_grouped(c, tma_store=True, tma_load=True, K=1024, flat=True)
         )
         for i, config in enumerate(configs.candidates("m_grouped", "sm90"))
         if sm90_shared_fits(m_grouped.flat_shared_bytes(config, 2), config.ctas_per_sm)
-        and m_grouped.clipped_store_fits(config, 2)
+        and m_grouped.tma_store_fits(config, 2)
     },
-    "m_grouped-flat-clipped-dgrad": lambda: _m_grouped(
+    "m_grouped-flat-tma-store-dgrad": lambda: _m_grouped(
         tma_store=True, tma_load=True, K=1024, flat=True, w_k_contiguous=False
     ),
     "m_grouped-mixed-m": lambda: _m_grouped(mixed_m=True, K=2048),

@@ -321,7 +321,6 @@ def _device_guard(device: torch.device):
 
 
 M_GROUPED = DirectLaunch(m_grouped_mm_kernel)
-M_GROUPED_TMA = DirectLaunch(m_grouped_mm_kernel, descriptors=True)
 M_GROUPED_WS = DirectLaunch(ws.m_grouped_mm_ws_kernel)
 M_GROUPED_WS_TMA = DirectLaunch(ws.m_grouped_mm_ws_tma_kernel, descriptors=True)
 K_GROUPED = DirectLaunch(k_grouped_mm_kernel)
@@ -337,7 +336,6 @@ def clear_launch_cache() -> None:
     _k_launch.cache_clear()
     _k_ws_launch.cache_clear()
     M_GROUPED.clear()
-    M_GROUPED_TMA.clear()
     M_GROUPED_WS.clear()
     M_GROUPED_WS_TMA.clear()
     K_GROUPED.clear()
@@ -381,7 +379,8 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
                     lambda: ws_launch,
                 )
             return
-    # A TMA descriptor over out [M, N]: N contiguous, the row stride and the base 16-byte aligned.
+    # The kernel's TMA descriptor over out (m_grouped._clipped_out_desc): N contiguous, the row stride and
+    # the base 16-byte aligned.
     tma_store = (
         TMA_STORE
         and 2 * M * N * K >= TMA_STORE_MIN_FLOPS
@@ -434,20 +433,13 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
     b = x if bias is None else bias
     ints = (M, N, K, G, G, *sx, *sw, *so, *sb)
     if tma_store or tma_load:
-        launch = _m_launch(*spec)
-        if launch.meta["TMA_LOAD"]:  # descriptors made in the kernel: Triton allocates their scratch
+        meta = _m_launch(*spec).meta
+        if (
+            meta["TMA_LOAD"] or meta["TMA_STORE"]
+        ):  # descriptors made in the kernel: Triton allocates their scratch
             _ensure_allocator()
-        if launch.meta["TMA_STORE"]:
-            out_desc = TlTensorDescriptor(
-                out, [M, N], [so[0], 1], [launch.meta["BLOCK_M"], launch.meta["BLOCK_N"]]
-            )
-            M_GROUPED_TMA.launch(
-                spec, (x, w, group_sizes, group_sizes, b, out_desc, out), ints, lambda: launch
-            )
-            return
     # No group offset (HAS_GROUP_OFFSET=False): the kernel never reads that slot; group_sizes fills it.
-    # Without TMA_STORE it never reads out_desc; out fills that slot.
-    M_GROUPED.launch(spec, (x, w, group_sizes, group_sizes, b, out, out), ints, lambda: _m_launch(*spec))
+    M_GROUPED.launch(spec, (x, w, group_sizes, group_sizes, b, out), ints, lambda: _m_launch(*spec))
 
 
 def _tma_descriptors(launch: ws.MGroupedWsLaunch, x, w, N: int) -> tuple:
