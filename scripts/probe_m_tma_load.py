@@ -51,8 +51,9 @@ def relerr(a, b) -> float:
 
 
 def host(rounds: int = 7, calls: int = 200) -> None:
-    """Host time per fwd call (G 8, M 4096, K = N = 512, bf16) with TMA loads and with cp.async, taking
-    turns over rounds: median of the round medians."""
+    """Host time per fwd call (G 8, M 4096, K = N = 512, bf16) with cp.async, with TMA loads, and with TMA loads and
+    the TMA store (both FLOP gates lifted: this shape is below them), taking turns over rounds: median of the
+    round medians."""
     from moegemm.bench.overhead import median_host_us
 
     G, M, K, N = 8, 4096, 512, 512
@@ -60,22 +61,35 @@ def host(rounds: int = 7, calls: int = 200) -> None:
     w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16)
     gs = torch.full((G,), M // G, dtype=torch.int32, device="cuda")
     out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-    _launch.TMA_LOAD_MIN_FLOPS = 0  # this shape is below the gate
+    _launch.TMA_LOAD_MIN_FLOPS = 0
+    _launch.TMA_STORE_MIN_FLOPS = 0
     call = functools.partial(_launch.launch_m_grouped, x, w, gs, out, transpose_w=True)
-    samples = {"tma": [], "cp": []}
-    for variant in samples:  # compile and bind both first
-        _launch.TMA_LOAD = variant == "tma"
+    modes = {"cp": (False, False), "tma": (True, False), "tma-store": (True, True)}
+    samples = {variant: [] for variant in modes}
+    took = {}
+
+    def switch_host(variant):
+        _launch.TMA_LOAD, _launch.TMA_STORE = modes[variant]
+
+    for variant in samples:  # compile and bind each first
+        switch_host(variant)
+        SPECS.clear()
         call()
+        meta = _launch._m_launch(*SPECS[-1]).meta
+        took[variant] = (meta["TMA_LOAD"], meta["TMA_STORE"])
     torch.cuda.synchronize()
     for _ in range(rounds):
         for variant, values in samples.items():
-            _launch.TMA_LOAD = variant == "tma"
+            switch_host(variant)
             call()
             values.append(median_host_us(call, calls))
             torch.cuda.synchronize()
     for variant, values in samples.items():
         values.sort()
-        record(kind="host", variant=variant, host_us=values[len(values) // 2], rounds=values)
+        record(
+            kind="host", variant=variant, took_tma_load=took[variant][0], took_tma_store=took[variant][1],
+            host_us=values[len(values) // 2], rounds=values,
+        )  # fmt: skip
 
 
 # name: (TMA loads, config override: None for the launcher's pick, or (candidate, changes)[, mixed heights, split
@@ -98,7 +112,14 @@ VARIANTS = {
     # (CLIPPED_STORE), and from registers (the TMA store off, as "tma-flat" at K <= FLAT_MAX_K).
     "tma-flat-clip": (True, None, True, True, True, True, True),
     "tma-flat-reg": (True, None, True, True, True, False, True),
-    "pick": (True, None, True, True, True, True),  # the launcher's defaults (an A/B between two commits runs it)
+    "pick": (
+        True,
+        None,
+        True,
+        True,
+        True,
+        True,
+    ),  # the launcher's defaults (an A/B between two commits runs it)
 }
 
 
@@ -153,10 +174,10 @@ def main() -> int:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--reps", type=int, default=25)
     args = p.parse_args()
+    _record_specs()
     if args.host:
         host()
         return 0
-    _record_specs()
     for case in shapes.select(args.cases.split(",")):
         sizes = shapes.group_sizes(case.M, case.G, split=args.split)
         gs = torch.tensor(sizes, dtype=torch.int32, device="cuda")
