@@ -38,10 +38,11 @@ DIRECT_LAUNCH = os.environ.get("MOEGEMM_DIRECT_LAUNCH", "1") != "0"
 WS = os.environ.get("MOEGEMM_WS", "0") == "1"
 # BF16/FP16 output tiles go through a TMA descriptor (the bulk copy runs under the next tile's main
 # loop) on launches of at least TMA_STORE_MIN_FLOPS: on the H100 that gained 0.6% geomean device time
-# over the 57 suite and held-out case-ops (three A/B runs; +7% on one case, -9% on another), and it
-# costs the host ~22 us more per launch (descriptor encoding in Triton's launcher), which only a launch
-# running longer than that hides (perf-notes 24). MOEGEMM_TMA_STORE=0 turns it off. Both are read at
-# call time.
+# over the 57 suite and held-out case-ops (three A/B runs; +7% on one case, -9% on another), and the wgrad's
+# host descriptor costs the host ~22 us more per launch (descriptor encoding in Triton's launcher), which only
+# a launch running longer than that hides (perf-notes 24). The m-grouped kernel makes its descriptor itself
+# (Triton's global scratch, as for TMA loads): +0.4 us a launch with TMA loads (perf-notes 32).
+# MOEGEMM_TMA_STORE=0 turns it off. Both are read at call time.
 TMA_STORE = os.environ.get("MOEGEMM_TMA_STORE", "1") != "0"
 TMA_STORE_MIN_FLOPS = 5e10
 # TMA loads (bf16/fp16, sm90): the m-grouped kernel reads x and w through two descriptors it makes once
