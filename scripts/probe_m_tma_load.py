@@ -29,6 +29,7 @@ from moegemm.torch import _launch
 LOG = os.path.join(os.environ.get("OUT", "."), "m_tma_load.jsonl")
 PICK = configs.pick_config
 FLAT_MAX_K = m_grouped.FLAT_MAX_K
+MIN_FLOPS = _launch.TMA_LOAD_MIN_FLOPS
 SPECS = []  # the spec of every m-grouped launch, to read back which loads it took
 
 
@@ -113,18 +114,27 @@ VARIANTS = {
     "tma-flat": (True, None, True, True, True),
     "tma-aa": (True, None),  # the launcher's pick again: the A/A control
     # The flat loop at any K (FLAT_MAX_K lifted): every tile stored in one bulk copy through the clipped 3-D view
-    # (CLIPPED_STORE), and from registers (the TMA store off, as "tma-flat" at K <= FLAT_MAX_K).
+    # (the TMA store), and from registers (the TMA store off, as "tma-flat" at K <= FLAT_MAX_K).
     "tma-flat-clip": (True, None, True, True, True, True, True),
     "tma-flat-reg": (True, None, True, True, True, False, True),
-    "pick": (
-        True,
-        None,
-        True,
-        True,
-        True,
-        True,
-    ),  # the launcher's defaults (an A/B between two commits runs it)
+    # The launcher's defaults (an A/B between two commits runs it), and with both FLOP gates at 0: every launch with
+    # TMA loads and store where its inputs allow.
+    "pick": (True, None, True, True, True, True),
+    "pick-aa": (True, None, True, True, True, True),
+    "pick-gate0": (True, None, True, True, True, True, False, 0),
 }
+# Registry cases at fewer tokens (a smaller batch or more EP ranks), launches of 1.3e10-3.4e10 FLOPs, below the
+# TMA gates (--cases small).
+SMALL = [
+    shapes.Case("qwen3-30b-fc1-m4k", 128, 4096, 2048, 1536),
+    shapes.Case("qwen3-30b-fc2-m4k", 128, 4096, 768, 2048),
+    shapes.Case("olmoe-fc1-m4k", 64, 4096, 2048, 2048),
+    shapes.Case("dsv2lite-fc2-m4k", 64, 4096, 1408, 2048),
+    shapes.Case("gptoss-20b-fc2-m2k", 32, 2048, 2880, 2880),
+    shapes.Case("glm45air-ep4-fc2-m2k", 32, 2048, 1408, 4096),
+    shapes.Case("qwen3next-ep2-fc2-m8k", 256, 8192, 512, 2048),
+    shapes.Case("dsv3-ep8-fc2-m1k", 32, 1024, 2048, 7168),
+]
 
 
 def switch(variant: str) -> None:
@@ -134,6 +144,7 @@ def switch(variant: str) -> None:
     configs.M_FLAT = flags[2] if len(flags) > 2 else False
     _launch.TMA_STORE = flags[3] if len(flags) > 3 else True
     m_grouped.FLAT_MAX_K = 1 << 30 if len(flags) > 4 and flags[4] else FLAT_MAX_K
+    _launch.TMA_LOAD_MIN_FLOPS = _launch.TMA_STORE_MIN_FLOPS = flags[5] if len(flags) > 5 else MIN_FLOPS
     _launch.TMA_LOAD = tma
     if override is None:
         configs.pick_config = PICK
@@ -182,7 +193,9 @@ def main() -> int:
     if args.host:
         host()
         return 0
-    for case in shapes.select(args.cases.split(",")):
+    names = args.cases.split(",")
+    cases = shapes.select([n for n in names if n != "small"]) + (SMALL if "small" in names else [])
+    for case in cases:
         sizes = shapes.group_sizes(case.M, case.G, split=args.split)
         gs = torch.tensor(sizes, dtype=torch.int32, device="cuda")
         offs = gs.cumsum(0).to(torch.int32)
