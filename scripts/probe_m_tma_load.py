@@ -30,6 +30,7 @@ LOG = os.path.join(os.environ.get("OUT", "."), "m_tma_load.jsonl")
 PICK = configs.pick_config
 FLAT_MAX_K = m_grouped.FLAT_MAX_K
 MIN_FLOPS = _launch.TMA_LOAD_MIN_FLOPS
+WHOLE_MAX_K = getattr(m_grouped, "FLAT_WHOLE_TILES_MAX_K", None)
 SPECS = []  # the spec of every m-grouped launch, to read back which loads it took
 
 
@@ -98,7 +99,8 @@ def host(rounds: int = 7, calls: int = 200) -> None:
 
 
 # name: (TMA loads, config override: None for the launcher's pick, or (candidate, changes)[, mixed heights, split
-# tail, flat loop, TMA store, flat at any K]); a flag left out takes the launcher's default.
+# tail, flat loop, TMA store, flat at any K, both FLOP gates, FLAT_WHOLE_TILES_MAX_K]); a flag left out (or None)
+# takes the launcher's default.
 VARIANTS = {
     "cp": (False, None),
     "tma": (True, None),
@@ -122,6 +124,8 @@ VARIANTS = {
     "pick": (True, None, True, True, True, True),
     "pick-aa": (True, None, True, True, True, True),
     "pick-gate0": (True, None, True, True, True, True, False, 0),
+    # The launcher's defaults without the flat loop for whole-tile group sizes beyond FLAT_MAX_K (FLAT_WHOLE_TILES).
+    "pick-nowhole": (True, None, True, True, True, True, False, None, 0),
 }
 # Registry cases at fewer tokens (a smaller batch or more EP ranks), launches of 1.3e10-3.4e10 FLOPs, below the
 # TMA gates (--cases small).
@@ -144,7 +148,11 @@ def switch(variant: str) -> None:
     configs.M_FLAT = flags[2] if len(flags) > 2 else False
     _launch.TMA_STORE = flags[3] if len(flags) > 3 else True
     m_grouped.FLAT_MAX_K = 1 << 30 if len(flags) > 4 and flags[4] else FLAT_MAX_K
-    _launch.TMA_LOAD_MIN_FLOPS = _launch.TMA_STORE_MIN_FLOPS = flags[5] if len(flags) > 5 else MIN_FLOPS
+    _launch.TMA_LOAD_MIN_FLOPS = _launch.TMA_STORE_MIN_FLOPS = (
+        flags[5] if len(flags) > 5 and flags[5] is not None else MIN_FLOPS
+    )
+    if hasattr(m_grouped, "FLAT_WHOLE_TILES_MAX_K"):
+        m_grouped.FLAT_WHOLE_TILES_MAX_K = flags[6] if len(flags) > 6 else WHOLE_MAX_K
     _launch.TMA_LOAD = tma
     if override is None:
         configs.pick_config = PICK
@@ -226,6 +234,7 @@ def main() -> int:
                     row[f"{variant}_programs"] = meta["NUM_PROGRAMS"]
                     row[f"{variant}_block_m"] = meta["BLOCK_M"]
                     row[f"{variant}_flat"] = meta["FLAT"]
+                    row[f"{variant}_flat_whole_tiles"] = meta.get("FLAT_WHOLE_TILES", False)
                     row[f"{variant}_tma_store"] = meta["TMA_STORE"]
                     row[f"{variant}_relerr"] = err = relerr(out, want)
                     if not err < 1e-2:

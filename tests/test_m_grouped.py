@@ -265,6 +265,32 @@ class TestMGroupedTritonFlatTmaStore(TestMGroupedTritonFlat):
             assert meta["TMA_STORE"] == (N % 8 == 0 and dtype.itemsize == 2), (M, K, N, dtype, layout)
         return out
 
+    @pytest.mark.parametrize("layout", ["transpose_w", "k-major"])
+    @pytest.mark.parametrize(
+        "sizes",
+        [[128, 0, 256, 128], [128, 5, 251, 128], [0, 0, 0, 0]],
+        ids=["whole-tiles", "partial-tiles", "all-empty"],
+    )
+    def test_whole_tiles_pick_the_loop(self, monkeypatch, sizes, layout):
+        """FLAT_MAX_K < K <= FLAT_WHOLE_TILES_MAX_K: one kernel carries both loops, and the group sizes on the
+        device pick one: the flat loop where every group fills whole row tiles (128-row multiples are whole for
+        every BLOCK_M), the per-tile loop with its half-high tiles where one does not. Both must be right; 7 rows
+        past the groups are unowned (zeros)."""
+        from moegemm.torch import _launch
+
+        monkeypatch.setattr(m_grouped, "FLAT_MAX_K", 32)
+        _launch.clear_launch_cache()
+        flat_calls = []
+        if DEVICE == "cpu":  # the interpreter looks the loop up at run time: count the programs that ran it
+            inner = m_grouped._m_flat_loop
+            monkeypatch.setattr(m_grouped, "_m_flat_loop", lambda *a: (flat_calls.append(1), inner(*a)))
+        before = len(self.store_calls)
+        self.check(sum(sizes) + 7, 64, 48, sizes, layout=layout, seed=11, bias=True)
+        metas = [_launch._m_launch(*spec).meta for _, spec in self.store_calls[before:]]
+        assert metas and all(m["FLAT_WHOLE_TILES"] and not m["FLAT"] for m in metas), metas
+        if DEVICE == "cpu":
+            assert bool(flat_calls) == (sizes != [128, 5, 251, 128]), (sizes, len(flat_calls))
+
 
 class TestMGroupedTritonRegisterStore(MGroupedTest):
     """Every tile stored from registers (MOEGEMM_TMA_STORE=0, and every out no descriptor fits)."""
@@ -425,10 +451,10 @@ def test_flat_rule():
     big = configs.MGroupedConfig(128, 256, 64)
     limit = m_grouped.FLAT_MAX_K
 
-    def meta(K, tma_load=True, g_total=None, flat=True, config=big):
+    def meta(K, tma_load=True, g_total=None, flat=True, config=big, tma_store=True):
         return m_grouped.MGroupedLaunch.make(
             4096, 2048, K, 8, config=config, num_programs_cap=132, fp32_inputs=False, interpret=False,
-            tma_load=tma_load, tma_store=True, mixed_m=True, tail_split=True, flat=flat, g_total=g_total,
+            tma_load=tma_load, tma_store=tma_store, mixed_m=True, tail_split=True, flat=flat, g_total=g_total,
         ).meta  # fmt: skip
 
     assert meta(limit)["FLAT"] and meta(64)["FLAT"]
@@ -444,6 +470,23 @@ def test_flat_rule():
     # 4 stages of 128 x 256: the 192 KB ring fits the flat loop with its 32 KB scratch, not with a 64 KB staging.
     deep = meta(1024, config=configs.MGroupedConfig(128, 256, 64, 8, 8, 4))
     assert deep["FLAT"] and not deep["TMA_STORE"], deep
+    # Beyond FLAT_MAX_K, up to FLAT_WHOLE_TILES_MAX_K: both loops compiled in, the group sizes picking; only with
+    # TMA loads and the TMA store, without a group offset.
+    whole, top = meta(2048), m_grouped.FLAT_WHOLE_TILES_MAX_K
+    assert whole["FLAT_WHOLE_TILES"] and whole["TMA_STORE"] and whole["MIXED_M"] and whole["TAIL_SPLIT"], (
+        whole
+    )
+    assert not whole["FLAT"] and meta(top)["FLAT_WHOLE_TILES"] and not meta(top + 64)["FLAT_WHOLE_TILES"]
+    assert not any(
+        m["FLAT_WHOLE_TILES"]
+        for m in (
+            meta(limit),
+            meta(2048, flat=False),
+            meta(2048, tma_store=False),
+            meta(2048, tma_load=False),
+        )
+    )
+    assert not meta(2048, g_total=16)["FLAT_WHOLE_TILES"]
 
 
 def test_mixed_m_rule():

@@ -19,7 +19,8 @@ runs under the next tile's main loop, clipped at its group's end (``_clipped_out
 keep the masked store. Schedule variants, all
 from the same tile space: ``MIXED_M`` runs a group's last row tile half high where at most half its
 rows are left; ``TAIL_SPLIT`` runs the last, partial round's tiles as two half-high halves on two
-programs; ``FLAT`` (TMA loads, short K) runs one loop over every step of a program's tiles.
+programs; ``FLAT`` (TMA loads, short K) runs one loop over every step of a program's tiles, and
+``FLAT_WHOLE_TILES`` (TMA loads and store, mid K) runs it where every group's rows fill whole row tiles.
 """
 
 from __future__ import annotations
@@ -288,6 +289,7 @@ def m_grouped_mm_kernel(
     MIXED_M: tl.constexpr,  # a tile with at most BLOCK_M // 2 rows left in its group runs BLOCK_M // 2 high
     TAIL_SPLIT: tl.constexpr,  # the last, partial round's tiles run as two BLOCK_M // 2 high halves each
     FLAT: tl.constexpr,  # TMA_LOAD only: one loop over every step of the program's tiles (flat_fits)
+    FLAT_WHOLE_TILES: tl.constexpr,  # the flat loop where every group's rows fill whole row tiles
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot is wrong on bf16 operands
     PRECISION: tl.constexpr,
 ):
@@ -327,13 +329,22 @@ def m_grouped_mm_kernel(
     out_desc = out_ptr  # a placeholder without TMA_STORE
     if TMA_STORE:
         out_desc = _clipped_out_desc(out_ptr, M, N, stride_om, BLOCK_M, BLOCK_N)
-    if FLAT:
-        _m_flat_loop(
-            x_desc, w_desc, bias_ptr, out_desc, out_ptr, pid, offs, starts, ends, m_tiles, tile_ends, total_tiles,
-            n_tiles, N, K, G, stride_om, stride_on, stride_bg, stride_bn, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K,
-            GROUP_M, W_K_CONTIGUOUS, HAS_BIAS, WIDE_OFFSETS, TMA_STORE, UPCAST, PRECISION,
-        )  # fmt: skip
-        return
+    if FLAT or FLAT_WHOLE_TILES:  # both need TMA loads: the flat loop is not compiled in otherwise
+        run_flat = True
+        if FLAT_WHOLE_TILES:
+            # Where every group's rows fill whole row tiles (balanced routing, or layouts padded per expert) no
+            # tile is partial, so the per-tile loop's half-high tiles have nothing to save; the flat loop wins
+            # there at K 2048-3072 and loses with partial tiles (perf-notes 32). Both loops are compiled in; the
+            # group sizes on the device pick one.
+            partial_tiles = tl.sum(((offs < G) & ((ends - starts) % BLOCK_M != 0)).to(tl.int32), 0)
+            run_flat = partial_tiles == 0
+        if run_flat:
+            _m_flat_loop(
+                x_desc, w_desc, bias_ptr, out_desc, out_ptr, pid, offs, starts, ends, m_tiles, tile_ends,
+                total_tiles, n_tiles, N, K, G, stride_om, stride_on, stride_bg, stride_bn, NUM_PROGRAMS, BLOCK_M,
+                BLOCK_N, BLOCK_K, GROUP_M, W_K_CONTIGUOUS, HAS_BIAS, WIDE_OFFSETS, TMA_STORE, UPCAST, PRECISION,
+            )  # fmt: skip
+            return
     # The work items: tiles, except that with TAIL_SPLIT the last, partial round's tiles (``tail`` of them,
     # after ``full`` tiles of whole rounds) run as two half-high items each where that leaves no program
     # with two (perf-notes 30): a round that would keep ``tail`` SMs busy for a whole tile time keeps twice
@@ -472,6 +483,22 @@ def flat_fits(config, K: int, in_itemsize: int, tma_load: bool, has_group_offset
     )
 
 
+# The longest reduction on which a launch takes the flat loop where every group's rows fill whole BLOCK_M tiles
+# (FLAT_WHOLE_TILES; the kernel decides from group_sizes). Measured on the H100 (perf-notes 32, paired, the flat
+# loop with the TMA store over the per-tile loop at K 2048-3072): with balanced sizes (every group a multiple of 128
+# rows) +1.0% to +2.7% on 8 of 9 launches (qwen3next dgrad -0.6%); with Dirichlet sizes -2.0% to +0.7%, where the
+# per-tile loop's half-high tiles pay.
+FLAT_WHOLE_TILES_MAX_K = 3072
+
+
+def flat_whole_tiles_fits(K: int, tma_load: bool, tma_store: bool, has_group_offset: bool) -> bool:
+    """Whether a launch beyond FLAT_MAX_K carries the flat loop for group sizes that fill whole row tiles: TMA
+    loads and the TMA store (the flat loop was measured with both; ``tma_store_fits`` already gave the staging
+    tile room beside the ring, all that the flat loop keeps live), no group offset, FLAT_MAX_K < K <=
+    FLAT_WHOLE_TILES_MAX_K."""
+    return tma_load and tma_store and not has_group_offset and FLAT_MAX_K < K <= FLAT_WHOLE_TILES_MAX_K
+
+
 def mixed_m_fits(block_m: int, K: int, N: int, interpret: bool) -> bool:
     """Whether a launch runs a group's last row tile half high where at most half its rows are left
     (MIXED_M): where half-high tiles fit (``half_tiles_fit``) and, on the GPU, K <= MIXED_M_MAX_K."""
@@ -525,10 +552,13 @@ class MGroupedLaunch:
         tail_split: the last, partial round of tiles may run as half-high halves on twice as many programs
         (same caller check as mixed_m; used where half-high tiles fit, ``half_tiles_fit``).
         flat: one loop over every step of the program's tiles (``configs.M_FLAT``); used where ``flat_fits``, and
-        then with neither mixed heights nor a split tail.
+        then with neither mixed heights nor a split tail; where ``flat_whole_tiles_fits``, only if every group's
+        rows fill whole row tiles (the kernel checks group_sizes), the per-tile loop otherwise.
         """
         bm, bn = config.block_m, config.block_n
         tma_load = tma_load and not fp32_inputs and tma_load_fits(K, config.block_k, w_k_contiguous)
+        tma_store = tma_store and M + bm < 2**31 and tma_store_fits(config, 4 if fp32_inputs else 2)
+        flat_whole_tiles = flat and flat_whole_tiles_fits(K, tma_load, tma_store, g_total is not None)
         flat = flat and flat_fits(config, K, 4 if fp32_inputs else 2, tma_load, g_total is not None)
         max_stride = max(K, N) if max_stride is None else max_stride
         # Each group adds at most one partial row tile, the unowned rows (tail; head with an offset) more.
@@ -549,12 +579,12 @@ class MGroupedLaunch:
             W_K_CONTIGUOUS=w_k_contiguous,
             HAS_BIAS=has_bias,
             WIDE_OFFSETS=2 * max(bm, bn, K + config.block_k) * max_stride >= 2**31,
-            # The view's row extent, M + BLOCK_M, is an int32.
-            TMA_STORE=tma_store and M + bm < 2**31 and tma_store_fits(config, 4 if fp32_inputs else 2),
+            TMA_STORE=tma_store,  # where the staging tile fits; the view's row extent, M + BLOCK_M, is an int32
             TMA_LOAD=tma_load,
             MIXED_M=mixed_m and mixed_m_fits(bm, K, N, interpret) and not flat,
             TAIL_SPLIT=tail_split and half_tiles_fit(bm, K, N, interpret) and not flat,
             FLAT=flat,
+            FLAT_WHOLE_TILES=flat_whole_tiles,
             UPCAST=interpret,
             PRECISION="ieee" if fp32_inputs or interpret else "tf32",
             num_warps=config.num_warps,

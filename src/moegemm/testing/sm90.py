@@ -150,8 +150,13 @@ def _m_grouped(
     assert launch.meta["TMA_STORE"] == tma_store, config
     assert launch.meta["TMA_LOAD"] == tma_load, config
     assert launch.meta["MIXED_M"] == mixed_m, (config, K)
-    assert launch.meta["FLAT"] == flat, (config, K)
-    half = not flat and m_grouped.half_tiles_fit(config.block_m, K, N, False)
+    # flat: the flat loop allowed (configs.M_FLAT); it runs at K <= FLAT_MAX_K, beyond that where groups fill
+    # whole row tiles (both loops compiled in).
+    assert launch.meta["FLAT"] == (flat and K <= m_grouped.FLAT_MAX_K), (config, K)
+    assert launch.meta["FLAT_WHOLE_TILES"] == (
+        flat and m_grouped.flat_whole_tiles_fits(K, tma_load, tma_store, False)
+    ), (config, K)
+    half = not launch.meta["FLAT"] and m_grouped.half_tiles_fit(config.block_m, K, N, False)
     assert launch.meta["TAIL_SPLIT"] == (tail_split and half)
     pointers = {
         "x_ptr": "*bf16", "w_ptr": "*bf16", "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32",
@@ -247,6 +252,13 @@ KERNELS = {
     },
     "m_grouped-flat-tma-store-dgrad": lambda: _m_grouped(
         tma_store=True, tma_load=True, K=1024, flat=True, w_k_contiguous=False
+    ),
+    # Both loops in one kernel, the group sizes picking (K between FLAT_MAX_K and FLAT_WHOLE_TILES_MAX_K).
+    "m_grouped-flat-whole-tiles": lambda: _m_grouped(
+        tma_store=True, tma_load=True, K=2048, mixed_m=True, flat=True
+    ),
+    "m_grouped-flat-whole-tiles-dgrad": lambda: _m_grouped(
+        tma_store=True, tma_load=True, K=2048, mixed_m=True, flat=True, w_k_contiguous=False
     ),
     "m_grouped-mixed-m": lambda: _m_grouped(mixed_m=True, K=2048),
     "m_grouped-mixed-m-dgrad": lambda: _m_grouped(mixed_m=True, K=2048, w_k_contiguous=False),
