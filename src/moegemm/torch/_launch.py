@@ -435,9 +435,8 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
     ints = (M, N, K, G, G, *sx, *sw, *so, *sb)
     if tma_store or tma_load:
         meta = _m_launch(*spec).meta
-        if (
-            meta["TMA_LOAD"] or meta["TMA_STORE"]
-        ):  # descriptors made in the kernel: Triton allocates their scratch
+        # Descriptors made in the kernel (TMA loads, the TMA store's view): Triton allocates their scratch.
+        if meta["TMA_LOAD"] or meta["TMA_STORE"]:
             _ensure_allocator()
     # No group offset (HAS_GROUP_OFFSET=False): the kernel never reads that slot; group_sizes fills it.
     M_GROUPED.launch(spec, (x, w, group_sizes, group_sizes, b, out), ints, lambda: _m_launch(*spec))
