@@ -314,8 +314,9 @@ def m_grouped_mm_kernel(
         # Descriptors over x [M, K] and w's 2-D view (the launcher checked that w's groups sit back to
         # back): [G * N, K] K-contiguous, [G * K, N] N-contiguous with K % BLOCK_K == 0, so no step reads
         # the next expert's rows into the reduction. The copy engine zero-fills past M, K and G * N;
-        # rows past a group's end are the next group's, loaded but never stored (partial tiles take the
-        # masked store). Made once per program, unlike the wgrad's per-group ones (k_grouped).
+        # rows past a group's end are the next group's, loaded but never stored (the masked store drops
+        # them, the TMA store's view clips them). Made once per program, unlike the wgrad's per-group ones
+        # (k_grouped).
         x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [stride_xm, 1], [BLOCK_M, BLOCK_K])
         x_desc_half = tl.make_tensor_descriptor(x_ptr, [M, K], [stride_xm, 1], [HALF_M, BLOCK_K])
         if W_K_CONTIGUOUS:
