@@ -54,6 +54,9 @@ def _m_epilogue(
     if WIDE_OFFSETS:
         offs_m = offs_m.to(tl.int64)
         offs_n = offs_n.to(tl.int64)
+    row_mask = offs_m < row_end - row0
+    col_mask = offs_n < N - col0
+    out_base = out_ptr + row0 * stride_om + col0.to(tl.int64) * stride_on
     if HAS_BIAS:
         # The unowned slots (g >= G) read no bias and its rows stay 0: its column bound folds to 0. A
         # scalar condition and-ed into a block mask is rejected by triton 3.9's interpreter
@@ -62,6 +65,7 @@ def _m_epilogue(
         bias_base = bias_ptr + g.to(tl.int64) * stride_bg + col0.to(tl.int64) * stride_bn
         bias = tl.load(bias_base + offs_n * stride_bn, mask=offs_n < bias_cols, other=0.0)
         acc += bias.to(tl.float32)[None, :]
+    out_offs = offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     if TMA_STORE:
         # The tile's L owned rows sit at r = BM - L.. of the view's block at t = row0 + L, and its rows past
         # the group's end at r >= BM, which the copy engine clips (see _clipped_out_desc). The reshape keeps
@@ -72,11 +76,8 @@ def _m_epilogue(
             tl.reshape(acc.to(out_desc.dtype), [1, BM, BLOCK_N]),
         )
     else:
-        row_mask = offs_m < row_end - row0
-        col_mask = offs_n < N - col0
-        out_base = out_ptr + row0 * stride_om + col0.to(tl.int64) * stride_on
         tl.store(
-            out_base + (offs_m[:, None] * stride_om + offs_n[None, :] * stride_on),
+            out_base + out_offs,
             acc.to(out_ptr.dtype.element_ty),
             mask=row_mask[:, None] & col_mask[None, :],
         )
@@ -222,7 +223,7 @@ def _m_flat_loop(
         step = tl.where(step == num_steps - 1, 0, step + 1)
         if step == 0:
             tile += NUM_PROGRAMS
-            g, _, n_tile, row0, row_end, _ = locate_row_tile(
+            g, m_tile, n_tile, row0, row_end, first_m = locate_row_tile(
                 tile, offs, starts, ends, m_tiles, tile_ends, n_tiles, BLOCK_M, GROUP_M
             )
             col0 = n_tile * BLOCK_N
