@@ -77,23 +77,22 @@ def spy_store_paths(monkeypatch, op: str) -> list[tuple[str, tuple]]:
 def record_launches(monkeypatch, op: str) -> list[tuple[str, tuple]]:
     """Records (store path, spec) of every direct launch of ``op`` ("m_grouped" or "k_grouped"), each still
     launching: "M_GROUPED"/"K_GROUPED" for the register store, "M_GROUPED_TMA"/"K_GROUPED_TMA" for the TMA
-    store (k_grouped has a launch of each; m_grouped one launch, whose meta says which store it makes)."""
+    store (one launch per op, whose meta says which store its kernel makes)."""
     from moegemm.torch import _launch
 
     calls = []
 
-    def name_of(name, spec):
-        if name == "M_GROUPED" and _launch._m_launch(*spec).meta["TMA_STORE"]:
-            return "M_GROUPED_TMA"
-        return name
+    name, describe = {
+        "m_grouped": ("M_GROUPED", _launch._m_launch),
+        "k_grouped": ("K_GROUPED", _launch._k_launch),
+    }[op]
+    direct = getattr(_launch, name)
 
-    for name in {"m_grouped": ("M_GROUPED",), "k_grouped": ("K_GROUPED", "K_GROUPED_TMA")}[op]:
-        direct = getattr(_launch, name)
-        record = lambda *a, name=name, inner=direct.launch: (
-            calls.append((name_of(name, a[0]), a[0])),
-            inner(*a),
-        )  # noqa: E731
-        monkeypatch.setattr(direct, "launch", record)
+    def record(spec, *rest, inner=direct.launch):
+        calls.append((name + "_TMA" if describe(*spec).meta["TMA_STORE"] else name, spec))
+        inner(spec, *rest)
+
+    monkeypatch.setattr(direct, "launch", record)
     return calls
 
 

@@ -574,8 +574,7 @@ def test_launch_matches_kernel_signature(which):
     params = list(inspect.signature(call.kernel.fn).parameters)
     assert params[len(call.args)] == "out_ptr", params
     assert all(isinstance(a, jax.Array) for a in call.args)
-    # Pointer slots; out_desc (a TMA descriptor from PyTorch) gets a pointer it never reads from JAX.
-    assert all(p.endswith("_ptr") or p == "out_desc" for p in params[: len(call.args)])
+    assert all(p.endswith("_ptr") for p in params[: len(call.args)])
     assert call.meta["TMA_STORE"] is False
     after_out = params[len(call.args) + 1 :]
     assert set(call.meta) - {"num_warps", "num_stages"} == set(after_out)

@@ -527,8 +527,10 @@ class TestKGroupedTritonRegisterStore(KGroupedTest):
         from moegemm.torch import _launch
 
         monkeypatch.setattr(_launch, "TMA_STORE", False)
-        monkeypatch.setattr(_launch.K_GROUPED_TMA, "launch", lambda *a: pytest.fail("TMA store launched"))
+        _launch.clear_launch_cache()
+        calls = record_launches(monkeypatch, "k_grouped")
         yield
+        assert "K_GROUPED_TMA" not in [name for name, _ in calls], "TMA store launched"
 
 
 class TestKGroupedReference(KGroupedTest):

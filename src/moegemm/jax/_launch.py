@@ -213,10 +213,10 @@ def k_grouped_mm_call(
         g_total=g_total,
         out_itemsize=jnp.dtype(out_dtype).itemsize,
     )
-    # Without accumulation the kernel never reads c_ptr, without A_COLSUM it never writes a_colsum_ptr,
-    # and without TMA_STORE (jax-triton 0.3.1 cannot pass TMA descriptors) it never reads out_desc; any
-    # pointer fills those slots.
-    args = (a, b, group_sizes, _offset_arg(group_offset, group_sizes), a if c is None else c, a, a)
+    # Without accumulation the kernel never reads c_ptr, without A_COLSUM it never writes a_colsum_ptr; any
+    # pointer fills those slots. No TMA_STORE: its descriptor lives in Triton's global scratch, which
+    # jax-triton 0.3.1 passes as null.
+    args = (a, b, group_sizes, _offset_arg(group_offset, group_sizes), a if c is None else c, a)
     sizes = dict(
         M=M,
         N=N,

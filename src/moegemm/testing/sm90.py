@@ -27,7 +27,6 @@ import tempfile
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.tools.tensor_descriptor import TensorDescriptor as TlTensorDescriptor
 
 from moegemm import configs
 from moegemm.kernels import (
@@ -78,29 +77,13 @@ def _k_grouped_ws(num_stages: int | None = None):
     if num_stages is not None:
         config = dataclasses.replace(config, num_stages=num_stages)
     launch = k_grouped_ws.KGroupedWsLaunch.make(Mw, Nw, Kw, Gw, config=config, num_programs_cap=132)
-    x = torch.empty(16, 16, dtype=torch.bfloat16)  # only its dtype and alignment matter here
-    pointers = {
-        "out_desc": _desc(x, [k_grouped_ws.BLOCK_K // 2, config.block_n]),
-        "a_ptr": "*bf16",
-        "b_ptr": "*bf16",
-        "group_sizes_ptr": "*i32",
-    }
+    pointers = {"a_ptr": "*bf16", "b_ptr": "*bf16", "group_sizes_ptr": "*i32", "out_ptr": "*bf16"}
     return k_grouped_ws.k_grouped_mm_ws_kernel, {**launch.meta, "K": Kw, "N": Nw, "G": Gw}, pointers
 
 
 def _desc(t, block):
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
     return triton.runtime.jit.mangle_type(TensorDescriptor(t, [16, 16], [16, 1], block, layout))
-
-
-def _tl_desc(block):
-    """The signature type of a bf16 Triton TensorDescriptor argument with this block (a stand-in tensor:
-    only its dtype and alignment matter)."""
-    rank = len(block)
-    t = torch.empty([16] * rank, dtype=torch.bfloat16)
-    return triton.runtime.jit.mangle_type(
-        TlTensorDescriptor(t, [16] * rank, [16 ** (rank - 1 - d) for d in range(rank)], block)
-    )
 
 
 def _m_grouped_fp8_ws():
@@ -188,10 +171,8 @@ def _k_grouped(
     assert launch.meta["TMA_LOAD"] == tma_load, config
     pointers = {
         "a_ptr": "*bf16", "b_ptr": "*bf16", "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32", "c_ptr": "*bf16",
-        "a_colsum_ptr": "*bf16", "out_desc": "*bf16", "out_ptr": "*bf16",
+        "a_colsum_ptr": "*bf16", "out_ptr": "*bf16",
     }  # fmt: skip
-    if tma_store:
-        pointers["out_desc"] = _tl_desc([1, launch.meta["BLOCK_K"], launch.meta["BLOCK_N"]])
     values = dict(
         M=M, N=K, K=N, G=G, G_TOTAL=G, stride_am=N, stride_ak=1, stride_bm=K, stride_bn=1, stride_og=N * K,
         stride_ok=K, stride_on=1, stride_sg=0, stride_sk=0,

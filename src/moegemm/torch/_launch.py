@@ -18,7 +18,6 @@ import os
 import torch
 import triton
 from triton.runtime import _allocation
-from triton.tools.tensor_descriptor import TensorDescriptor as TlTensorDescriptor
 
 from moegemm import configs
 from moegemm.kernels import k_grouped_ws as k_ws
@@ -325,8 +324,7 @@ M_GROUPED = DirectLaunch(m_grouped_mm_kernel)
 M_GROUPED_WS = DirectLaunch(ws.m_grouped_mm_ws_kernel)
 M_GROUPED_WS_TMA = DirectLaunch(ws.m_grouped_mm_ws_tma_kernel, descriptors=True)
 K_GROUPED = DirectLaunch(k_grouped_mm_kernel)
-K_GROUPED_TMA = DirectLaunch(k_grouped_mm_kernel, descriptors=True)
-K_GROUPED_WS = DirectLaunch(k_ws.k_grouped_mm_ws_kernel, descriptors=True)
+K_GROUPED_WS = DirectLaunch(k_ws.k_grouped_mm_ws_kernel)
 
 
 def clear_launch_cache() -> None:
@@ -340,7 +338,6 @@ def clear_launch_cache() -> None:
     M_GROUPED_WS.clear()
     M_GROUPED_WS_TMA.clear()
     K_GROUPED.clear()
-    K_GROUPED_TMA.clear()
     K_GROUPED_WS.clear()
 
 
@@ -477,7 +474,8 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) ->
         return
     sa, sb, so = a.stride(), b.stride(), out.stride()
     ss = (0, 0) if a_colsum is None else a_colsum.stride()
-    # A TMA descriptor over out [G, K, N]: N contiguous, the other strides and the base 16-byte aligned.
+    # The kernel's TMA descriptor over out [G, K, N] (k_grouped._out_desc): N contiguous, the other strides and
+    # the base 16-byte aligned.
     tma_store = (
         TMA_STORE
         and 2 * M * N * K >= TMA_STORE_MIN_FLOPS
@@ -515,13 +513,10 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) ->
     ):
         ws_launch = _k_ws_launch(M, N, K, G, a.dtype, a.device, sa[0], sb[0])
         if ws_launch is not None:
-            _ensure_allocator()  # the loader's descriptors live in Triton's global scratch
-            block = [k_ws.BLOCK_K // 2, ws_launch.meta["BLOCK_N"]]
-            layout = _nvmma_layout(*block, _GL_DTYPES[out.dtype])
-            out_desc = TensorDescriptor(out.view(G * K, N), [G * K, N], [N, 1], block, layout)
+            _ensure_allocator()  # its descriptors (loads and store) live in Triton's global scratch
             K_GROUPED_WS.launch(
                 ("ws", M, N, K, G, a.dtype, a.device, sa[0], sb[0]),
-                (out_desc, a, b, group_sizes),
+                (a, b, group_sizes, out),
                 (M, K, N, G, sa[0], sb[0]),
                 lambda: ws_launch,
             )
@@ -543,23 +538,13 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) ->
     )
     colsum = out if a_colsum is None else a_colsum
     if tma_store or tma_load:
-        launch = _k_launch(*spec)
-        if launch.meta["TMA_LOAD"]:  # descriptors made in the kernel: Triton allocates their scratch
+        meta = _k_launch(*spec).meta
+        # Descriptors made in the kernel (TMA loads, the TMA store's): Triton allocates their scratch.
+        if meta["TMA_LOAD"] or meta["TMA_STORE"]:
             _ensure_allocator()
-        if launch.meta["TMA_STORE"]:
-            block = [1, launch.meta["BLOCK_K"], launch.meta["BLOCK_N"]]
-            out_desc = TlTensorDescriptor(out, [G, K, N], list(so), block)
-            K_GROUPED_TMA.launch(
-                spec,
-                (a, b, group_sizes, group_sizes, out, colsum, out_desc, out),
-                (M, N, K, G, G, *sa, *sb, *so, *ss),
-                lambda: launch,
-            )
-            return
     K_GROUPED.launch(
         spec,
-        # Without TMA_STORE the kernel never reads out_desc; out fills the slot.
-        (a, b, group_sizes, group_sizes, out, colsum, out, out),
+        (a, b, group_sizes, group_sizes, out, colsum, out),
         (M, N, K, G, G, *sa, *sb, *so, *ss),
         lambda: _k_launch(*spec),
     )
