@@ -4,6 +4,7 @@ the launcher's pick and the flat loop with cp.async, per config, next to torch._
     OUT=/tmp/probe python scripts/probe_wgrad_tma_load.py [--cases suite,heldout] [--variants pick,0f,0ft]
     [--split dirichlet]
     OUT=/tmp/probe python scripts/probe_wgrad_tma_load.py --host   # host cost per call, TMA loads vs cp.async
+    OUT=/tmp/probe python scripts/probe_wgrad_tma_load.py --host-store   # host cost per call of each store path
 
 A variant is "pick" (the launcher's own config), or a config index of ``configs.candidates("k_grouped",
 "sm90")`` with "f" (forced flat loop) and/or "t" (config.tma_load; without it cp.async). "pick" is the
@@ -48,6 +49,7 @@ def record(**kw) -> None:
 
 def force(variant: str) -> None:
     """Sets the launcher's config choice and TMA loads for one variant (see the module docstring)."""
+    variant = variant.removesuffix("-aa")  # the same variant again: an A/A control of the paired clock
     tma = variant.endswith("t")
     _launch.TMA_LOAD = tma
     spec = variant.removesuffix("t")
@@ -95,9 +97,69 @@ def host(rounds: int = 7, calls: int = 200) -> None:
     force("pick")
 
 
+# --host-store: (TMA loads, TMA store, the warp-specialized kernel) per path of the launcher.
+STORE_PATHS = {
+    "cp-reg": (False, False, False),
+    "cp-store": (False, True, False),
+    "tma-store": (True, True, False),
+    "ws": (True, True, True),
+}
+
+
+def host_store(rounds: int = 7, calls: int = 200) -> None:
+    """Host time per wgrad call (G 8, M 4096, K = N = 512, bf16, both FLOP gates lifted: 512 rows a group, so the
+    launcher routes it to the warp-specialized kernel where that is on) on each store path (``STORE_PATHS``),
+    taking turns over rounds: median of the round medians. Records which kernel and store each path took."""
+    from moegemm.bench.overhead import median_host_us
+
+    G, M, K, N = 8, 4096, 512, 512
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    gs = torch.full((G,), M // G, dtype=torch.int32, device="cuda")
+    out = torch.empty(G, N, K, device="cuda", dtype=torch.bfloat16)
+    want = torch._grouped_mm(dy.T, x, offs=gs.cumsum(0).to(torch.int32), out_dtype=torch.bfloat16)
+    _launch.TMA_LOAD_MIN_FLOPS = _launch.TMA_STORE_MIN_FLOPS = 0
+    call = functools.partial(_launch.launch_k_grouped, dy, x, gs, out, False)
+    launched = []
+    for name in ("K_GROUPED", "K_GROUPED_TMA", "K_GROUPED_WS"):  # K_GROUPED_TMA: before perf-notes 33
+        direct = getattr(_launch, name, None)
+        if direct is not None:
+            inner = direct.launch
+            direct.launch = lambda spec, *a, inner=inner, name=name: (
+                launched.append((name, spec)),
+                inner(spec, *a),
+            )
+
+    def switch_path(path):
+        _launch.TMA_LOAD, _launch.TMA_STORE, _launch.WS_WGRAD = STORE_PATHS[path]
+
+    samples = {path: [] for path in STORE_PATHS}
+    took = {}
+    for path in samples:  # compile, bind and check each first
+        switch_path(path)
+        out.fill_(float("nan"))
+        launched.clear()
+        call()
+        name, spec = launched[-1]
+        meta = {} if name == "K_GROUPED_WS" else _launch._k_launch(*spec).meta
+        took[path] = dict(kernel=name, tma_load=meta.get("TMA_LOAD"), tma_store=meta.get("TMA_STORE"),
+                          relerr=relerr(out, want))  # fmt: skip
+    torch.cuda.synchronize()
+    for _ in range(rounds):
+        for path, values in samples.items():
+            switch_path(path)
+            call()
+            values.append(median_host_us(call, calls))
+            torch.cuda.synchronize()
+    for path, values in samples.items():
+        values.sort()
+        record(kind="host-store", path=path, **took[path], host_us=values[len(values) // 2], rounds=values)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--host", action="store_true")
+    p.add_argument("--host-store", action="store_true")
     p.add_argument("--cases", default="suite,heldout")
     p.add_argument("--variants", default="pick,pickt,0f,0ft")
     p.add_argument("--split", default="dirichlet")
@@ -105,6 +167,9 @@ def main() -> int:
     args = p.parse_args()
     if args.host:
         host()
+        return 0
+    if args.host_store:
+        host_store()
         return 0
     for case in shapes.select(args.cases.split(",")):
         sizes = shapes.group_sizes(case.M, case.G, split=args.split)
