@@ -37,12 +37,14 @@ def launch(a, b, group_sizes, out, stages: int = 3, rows: int = 64, module=k_gro
     )
     run = module.KGroupedWsLaunch.make(M, Nb, Ka, G, config=config, num_programs_cap=132)
     _ensure_allocator()
-    block = [module.BLOCK_K // 2, config.block_n]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-    out_desc = TensorDescriptor(out.view(G * Ka, Nb), [G * Ka, Nb], [Nb, 1], block, layout)
-    module.k_grouped_mm_ws_kernel[run.grid](
-        out_desc, a, b, group_sizes, M, Ka, Nb, G, a.stride(0), b.stride(0), **run.meta
-    )
+    kernel = module.k_grouped_mm_ws_kernel
+    if kernel.arg_names[0] == "out_desc":  # before perf-notes 33: out's descriptor made on the host
+        block = [module.BLOCK_K // 2, config.block_n]
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+        out_desc = TensorDescriptor(out.view(G * Ka, Nb), [G * Ka, Nb], [Nb, 1], block, layout)
+        kernel[run.grid](out_desc, a, b, group_sizes, M, Ka, Nb, G, a.stride(0), b.stride(0), **run.meta)
+    else:
+        kernel[run.grid](a, b, group_sizes, out, M, Ka, Nb, G, a.stride(0), b.stride(0), **run.meta)
 
 
 EDGES = (  # empty groups, a group of 1 row, groups ending inside a step, one hot expert, a half tile past K
@@ -102,12 +104,18 @@ def main() -> int:
 
     def variant_fn(variant):
         """ "3": 3 slots of 64 rows; "6r32": 6 slots of 32 rows; "6n128": 6 slots, 128 x 128 tiles; "prev4": the
-        earlier file's kernel (scripts/k_grouped_ws_prev.py, written for the run)."""
+        earlier file's kernel (scripts/k_grouped_ws_prev.py, written for the run); "top4": a variant file
+        (scripts/k_grouped_ws_top.py, perf-notes 33); a suffix "-aa" repeats a variant (an A/A control)."""
         module = k_grouped_ws
+        variant = variant.removesuffix("-aa")
         if variant.startswith("prev"):
             import k_grouped_ws_prev as module  # written next to this script for the run
 
             variant = variant[4:]
+        elif variant.startswith("top"):
+            import k_grouped_ws_top as module  # written next to this script for the run
+
+            variant = variant[3:]
         variant, _, block_n = variant.partition("n")
         stages, _, rows = variant.partition("r")
         return functools.partial(
