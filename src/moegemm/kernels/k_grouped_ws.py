@@ -17,7 +17,7 @@ Partitions (ring protocol in ``moegemm.kernels.gluon_hopper``):
 - two consumer warpgroups: out rows [k0 + 64 h, k0 + 64 h + 64) of every tile, wgmma with a's half read
   transposed from shared memory and one wgmma in flight; a finished half tile goes through a staging tile
   and leaves by a TMA store over out's 2-D view [G * Ka, Nb] (Ka % 64 == 0: a half tile's rows are all in
-  out[g] or all past it), which runs under the next tile's steps; each consumer makes that descriptor itself. With 3 slots each consumer has its own
+  out[g] or all past it), which runs under the next tile's steps. With 3 slots each consumer has its own
   staging tile; the table's 4 slots (192 KB) leave room for one, which the consumers take in turns
   (``c_turn``): the 4th slot is worth more than the turn costs (perf-notes 29: +4.5% over 3 slots).
 Tiles are ``(g, k_tile, n_tile)``, a group's consecutive (``schedule.swizzle_tile`` inside it); every partition
@@ -148,7 +148,7 @@ def _hand_over(c_turn, HALF: gl.constexpr):
 
 @gluon.jit
 def _consumer(
-    out_ptr, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, c_turn, M, K: gl.constexpr, N: gl.constexpr,
+    out_desc, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, c_turn, M, K: gl.constexpr, N: gl.constexpr,
     G: gl.constexpr, HALF: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_R: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_G: gl.constexpr,
 ):  # fmt: skip
@@ -163,9 +163,6 @@ def _consumer(
         version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_N, 16]
     )
     c_smem = c_bufs.index(HALF % C_TILES)
-    # out viewed [G * K, N], block [SUB_K, BLOCK_N], made by this warpgroup on the device (its own slot of Triton's
-    # global scratch), so the launch encodes no host descriptor (~22 us of host time a launch; perf-notes 24, 33).
-    out_desc = tma.make_tensor_descriptor(out_ptr, [G * K, N], [N, 1], [SUB_K, BLOCK_N], c_bufs.layout)
     offs, starts, ends = _bounds(group_sizes_ptr, G, M, BLOCK_G)
     total_tiles = G * gl.cdiv(K, BLOCK_K) * gl.cdiv(N, BLOCK_N)
     step = 0
@@ -206,10 +203,10 @@ def _consumer(
 
 @gluon.jit
 def k_grouped_mm_ws_kernel(
+    out_desc,  # a host TensorDescriptor over out viewed [G * K, N], block [BLOCK_K / 2, BLOCK_N]
     a_ptr,
     b_ptr,
     group_sizes_ptr,
-    out_ptr,  # [G, K, N], contiguous, in a's dtype
     M,
     K: gl.constexpr,  # out[g]'s rows (a's columns) and columns (b's); fixed per layer, compiled in
     N: gl.constexpr,
@@ -237,8 +234,7 @@ def k_grouped_mm_ws_kernel(
     b_bufs = gl.allocate_shared_memory(
         dtype, [NUM_STAGES, BLOCK_R, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_N], dtype)
     )
-    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_K, BLOCK_N], dtype)
-    c_bufs = gl.allocate_shared_memory(dtype, [C_TILES, HALF_K, BLOCK_N], c_layout)
+    c_bufs = gl.allocate_shared_memory(out_desc.dtype, [C_TILES, HALF_K, BLOCK_N], out_desc.layout)
     ready, empty = ring_barriers(NUM_STAGES, True)
     c_turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
@@ -251,11 +247,11 @@ def k_grouped_mm_ws_kernel(
                 NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G,
             )),
             (_consumer, (
-                out_ptr, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, c_turn, M, K, N, G, 0,
+                out_desc, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, c_turn, M, K, N, G, 0,
                 NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G,
             )),
             (_consumer, (
-                out_ptr, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, c_turn, M, K, N, G, 1,
+                out_desc, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, c_turn, M, K, N, G, 1,
                 NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G,
             )),
         ],
@@ -267,8 +263,8 @@ def k_grouped_mm_ws_kernel(
 
 @dataclasses.dataclass(frozen=True)
 class KGroupedWsLaunch:
-    """Grid and meta-parameters of one k_grouped_mm_ws_kernel launch, from static shapes only (every
-    descriptor is made in the kernel: the front end installs an allocator for Triton's global scratch)."""
+    """Grid and meta-parameters of one k_grouped_mm_ws_kernel launch, from static shapes only. The front end
+    builds out's descriptor: [G * K, N] with block [BLOCK_K // 2, BLOCK_N], an NVMMA-swizzled layout."""
 
     grid: tuple[int]
     meta: dict

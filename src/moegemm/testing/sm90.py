@@ -77,7 +77,13 @@ def _k_grouped_ws(num_stages: int | None = None):
     if num_stages is not None:
         config = dataclasses.replace(config, num_stages=num_stages)
     launch = k_grouped_ws.KGroupedWsLaunch.make(Mw, Nw, Kw, Gw, config=config, num_programs_cap=132)
-    pointers = {"a_ptr": "*bf16", "b_ptr": "*bf16", "group_sizes_ptr": "*i32", "out_ptr": "*bf16"}
+    x = torch.empty(16, 16, dtype=torch.bfloat16)  # only its dtype and alignment matter here
+    pointers = {
+        "out_desc": _desc(x, [k_grouped_ws.BLOCK_K // 2, config.block_n]),
+        "a_ptr": "*bf16",
+        "b_ptr": "*bf16",
+        "group_sizes_ptr": "*i32",
+    }
     return k_grouped_ws.k_grouped_mm_ws_kernel, {**launch.meta, "K": Kw, "N": Nw, "G": Gw}, pointers
 
 

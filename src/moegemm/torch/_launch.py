@@ -37,10 +37,12 @@ DIRECT_LAUNCH = os.environ.get("MOEGEMM_DIRECT_LAUNCH", "1") != "0"
 WS = os.environ.get("MOEGEMM_WS", "0") == "1"
 # BF16/FP16 output tiles go through a TMA descriptor (the bulk copy runs under the next tile's main
 # loop) on launches of at least TMA_STORE_MIN_FLOPS: on the H100 that gained 0.6% geomean device time
-# over the 57 suite and held-out case-ops (three A/B runs; +7% on one case, -9% on another), and the wgrad's
-# host descriptor costs the host ~22 us more per launch (descriptor encoding in Triton's launcher), which only
-# a launch running longer than that hides (perf-notes 24). The m-grouped kernel makes its descriptor itself
-# (Triton's global scratch, as for TMA loads): +0.4 us a launch with TMA loads (perf-notes 32).
+# over the 57 suite and held-out case-ops (three A/B runs; +7% on one case, -9% on another), and a host
+# descriptor costs the host time (encoding in Triton's launcher), which only a launch running longer than
+# that hides (perf-notes 24). The Triton kernels make their descriptor themselves (Triton's global scratch,
+# as for TMA loads): +0.4 us a launch over TMA loads alone (m-grouped, perf-notes 32), +4.4 us over the
+# register store (k-grouped, against +8 us for the host descriptor it replaced; perf-notes 33). The
+# warp-specialized wgrad keeps a host descriptor (see launch_k_grouped).
 # MOEGEMM_TMA_STORE=0 turns it off. Both are read at call time.
 TMA_STORE = os.environ.get("MOEGEMM_TMA_STORE", "1") != "0"
 TMA_STORE_MIN_FLOPS = 5e10
@@ -324,7 +326,7 @@ M_GROUPED = DirectLaunch(m_grouped_mm_kernel)
 M_GROUPED_WS = DirectLaunch(ws.m_grouped_mm_ws_kernel)
 M_GROUPED_WS_TMA = DirectLaunch(ws.m_grouped_mm_ws_tma_kernel, descriptors=True)
 K_GROUPED = DirectLaunch(k_grouped_mm_kernel)
-K_GROUPED_WS = DirectLaunch(k_ws.k_grouped_mm_ws_kernel)
+K_GROUPED_WS = DirectLaunch(k_ws.k_grouped_mm_ws_kernel, descriptors=True)
 
 
 def clear_launch_cache() -> None:
@@ -513,10 +515,15 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) ->
     ):
         ws_launch = _k_ws_launch(M, N, K, G, a.dtype, a.device, sa[0], sb[0])
         if ws_launch is not None:
-            _ensure_allocator()  # its descriptors (loads and store) live in Triton's global scratch
+            _ensure_allocator()  # the loader's descriptors live in Triton's global scratch
+            # out's descriptor stays on the host (~10 us of host time a launch): made in the consumers it cost up
+            # to 3-6% of device time on short-group launches (dsv2lite-fc1; perf-notes 33).
+            block = [k_ws.BLOCK_K // 2, ws_launch.meta["BLOCK_N"]]
+            layout = _nvmma_layout(*block, _GL_DTYPES[out.dtype])
+            out_desc = TensorDescriptor(out.view(G * K, N), [G * K, N], [N, 1], block, layout)
             K_GROUPED_WS.launch(
                 ("ws", M, N, K, G, a.dtype, a.device, sa[0], sb[0]),
-                (a, b, group_sizes, out),
+                (out_desc, a, b, group_sizes),
                 (M, K, N, G, sa[0], sb[0]),
                 lambda: ws_launch,
             )
