@@ -50,6 +50,18 @@ def record(**kw) -> None:
 def force(variant: str) -> None:
     """Sets the launcher's config choice and TMA loads for one variant (see the module docstring)."""
     variant = variant.removesuffix("-aa")  # the same variant again: an A/A control of the paired clock
+    variant, _, group_m = variant.partition("@gm")  # "pickt@gm1": the pick with GROUP_M = 1
+    if group_m:
+        force(variant)
+        inner = configs.pick_config
+
+        def pick(o, *a, **k):
+            config = inner(o, *a, **k)
+            return dataclasses.replace(config, group_m=int(group_m)) if o == "k_grouped" else config
+
+        configs.pick_config = pick
+        _launch.clear_launch_cache()
+        return
     tma = variant.endswith("t")
     _launch.TMA_LOAD = tma
     spec = variant.removesuffix("t")
