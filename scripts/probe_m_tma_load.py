@@ -52,12 +52,26 @@ def relerr(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+def host_rounds(samples: dict, switch, call, rounds: int, calls: int) -> None:
+    """Appends to samples[variant] the median host time of ``calls`` calls, the variants taking turns (``switch``)
+    over ``rounds`` rounds (a host that drifts moves them alike); sorts each list."""
+    from moegemm.bench.overhead import median_host_us
+
+    torch.cuda.synchronize()
+    for _ in range(rounds):
+        for variant, values in samples.items():
+            switch(variant)
+            call()
+            values.append(median_host_us(call, calls))
+            torch.cuda.synchronize()
+    for values in samples.values():
+        values.sort()
+
+
 def host(rounds: int = 7, calls: int = 200) -> None:
     """Host time per fwd call (G 8, M 4096, K = N = 512, bf16, the table's default tile) with cp.async, with TMA loads,
     and with TMA loads and the TMA store (both FLOP gates lifted: this shape is below them), taking turns over
     rounds: median of the round medians."""
-    from moegemm.bench.overhead import median_host_us
-
     G, M, K, N = 8, 4096, 512, 512
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16)
@@ -83,15 +97,8 @@ def host(rounds: int = 7, calls: int = 200) -> None:
         call()
         meta = _launch._m_launch(*SPECS[-1]).meta
         took[variant] = (meta["TMA_LOAD"], meta["TMA_STORE"])
-    torch.cuda.synchronize()
-    for _ in range(rounds):
-        for variant, values in samples.items():
-            switch_host(variant)
-            call()
-            values.append(median_host_us(call, calls))
-            torch.cuda.synchronize()
+    host_rounds(samples, switch_host, call, rounds, calls)
     for variant, values in samples.items():
-        values.sort()
         record(
             kind="host", variant=variant, took_tma_load=took[variant][0], took_tma_store=took[variant][1],
             host_us=values[len(values) // 2], rounds=values,

@@ -122,7 +122,7 @@ def host_store(rounds: int = 7, calls: int = 200) -> None:
     """Host time per wgrad call (G 8, M 4096, K = N = 512, bf16, both FLOP gates lifted: 512 rows a group, so the
     launcher routes it to the warp-specialized kernel where that is on) on each store path (``STORE_PATHS``),
     taking turns over rounds: median of the round medians. Records which kernel and store each path took."""
-    from moegemm.bench.overhead import median_host_us
+    from probe_m_tma_load import host_rounds
 
     G, M, K, N = 8, 4096, 512, 512
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -156,15 +156,8 @@ def host_store(rounds: int = 7, calls: int = 200) -> None:
         meta = {} if name == "K_GROUPED_WS" else _launch._k_launch(*spec).meta
         took[path] = dict(kernel=name, tma_load=meta.get("TMA_LOAD"), tma_store=meta.get("TMA_STORE"),
                           relerr=relerr(out, want))  # fmt: skip
-    torch.cuda.synchronize()
-    for _ in range(rounds):
-        for path, values in samples.items():
-            switch_path(path)
-            call()
-            values.append(median_host_us(call, calls))
-            torch.cuda.synchronize()
+    host_rounds(samples, switch_path, call, rounds, calls)
     for path, values in samples.items():
-        values.sort()
         record(kind="host-store", path=path, **took[path], host_us=values[len(values) // 2], rounds=values)
 
 
