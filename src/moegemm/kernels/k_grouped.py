@@ -113,7 +113,7 @@ def _k_epilogue(
 def _out_desc(out_ptr, G, K, N, stride_og, stride_ok, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """A TMA descriptor over out [G, K, N] (N contiguous), block [1, BLOCK_K, BLOCK_N]: the copy engine clips
     each tile at out[g]'s K and N edges. Made once per program on the device (Triton's global scratch), so the
-    launch encodes no host descriptor, which cost the host ~22 us a launch (perf-notes 24, 33)."""
+    launch encodes no host descriptor: 18.9 us of host time a call against 22.6 with one (perf-notes 33)."""
     return tl.make_tensor_descriptor(out_ptr, [G, K, N], [stride_og, stride_ok, 1], [1, BLOCK_K, BLOCK_N])
 
 
