@@ -84,7 +84,7 @@ def relerr(a, b) -> float:
 def host(rounds: int = 7, calls: int = 200) -> None:
     """Host time per wgrad call (G 8, M 4096, K = N = 512, bf16, the flat 128 x 256 config) with TMA loads
     and with cp.async, taking turns over rounds: median of the round medians."""
-    from moegemm.bench.overhead import median_host_us
+    from probe_m_tma_load import host_rounds
 
     G, M, K, N = 8, 4096, 512, 512
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -92,19 +92,13 @@ def host(rounds: int = 7, calls: int = 200) -> None:
     gs = torch.full((G,), M // G, dtype=torch.int32, device="cuda")
     out = torch.empty(G, N, K, device="cuda", dtype=torch.bfloat16)
     _launch.TMA_LOAD_MIN_FLOPS = 0  # (measured before the threshold existed; this shape is below it)
+    call = functools.partial(_launch.launch_k_grouped, dy, x, gs, out, False)
     samples = {"11ft": [], "11f": []}
     for variant in samples:  # compile and bind both first
         force(variant)
-        _launch.launch_k_grouped(dy, x, gs, out, False)
-    torch.cuda.synchronize()
-    for _ in range(rounds):
-        for variant, values in samples.items():
-            force(variant)
-            _launch.launch_k_grouped(dy, x, gs, out, False)
-            values.append(median_host_us(lambda: _launch.launch_k_grouped(dy, x, gs, out, False), calls))
-            torch.cuda.synchronize()
+        call()
+    host_rounds(samples, force, call, rounds, calls)
     for variant, values in samples.items():
-        values.sort()
         record(kind="host", variant=variant, host_us=values[len(values) // 2], rounds=values)
     force("pick")
 
