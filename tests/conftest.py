@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from moegemm.torch import _ops  # noqa: E402
+from moegemm._src.torch import ops as _ops  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -48,9 +48,9 @@ def spy_store_paths(monkeypatch, op: str) -> list[tuple[str, tuple]]:
     records (launch name, spec) per launch: "M_GROUPED"/"K_GROUPED" (register store) or the "_TMA" one."""
     import dataclasses
 
-    from moegemm import configs
-    from moegemm.kernels import k_grouped, m_grouped
-    from moegemm.torch import _launch
+    from moegemm._src import configs
+    from moegemm._src.kernels import k_grouped, m_grouped
+    from moegemm._src.torch import launch as _launch
 
     monkeypatch.setattr(_launch, "TMA_STORE", True)
     monkeypatch.setattr(_launch, "TMA_STORE_MIN_FLOPS", 0)  # the tests' problems are tiny
@@ -78,7 +78,7 @@ def record_launches(monkeypatch, op: str) -> list[tuple[str, tuple]]:
     """Records (store path, spec) of every direct launch of ``op`` ("m_grouped" or "k_grouped"), each still
     launching: "M_GROUPED"/"K_GROUPED" for the register store, "M_GROUPED_TMA"/"K_GROUPED_TMA" for the TMA
     store (one launch per op, whose meta says which store its kernel makes)."""
-    from moegemm.torch import _launch
+    from moegemm._src.torch import launch as _launch
 
     calls = []
 
@@ -101,8 +101,8 @@ def flat_configs(monkeypatch, tma_load: bool = False) -> None:
     with config.tma_load as given."""
     import dataclasses
 
-    from moegemm import configs
-    from moegemm.torch import _launch
+    from moegemm._src import configs
+    from moegemm._src.torch import launch as _launch
 
     inner = configs.pick_config
 

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from moegemm import configs, shapes, testing
+from moegemm import shapes, testing
+from moegemm._src import configs
 from moegemm.bench import __main__ as cli
 from moegemm.bench import harness, registry, report, roofline, timing, tune
 from moegemm.bench.problem import make_problem

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moegemm import configs, cost_model, shapes
+from moegemm import shapes
+from moegemm._src import configs, cost_model
 from moegemm.bench import fit_model
 
 RESULTS = Path(__file__).parent.parent / "benchmarks" / "results"
@@ -187,7 +188,7 @@ def test_four_stage_forward_tile_only_where_measured(monkeypatch):
     lost), nor to JAX (tma=False)."""
     import torch
 
-    from moegemm.torch import _launch
+    from moegemm._src.torch import launch as _launch
 
     four = configs.MGroupedConfig(128, 256, 64, 8, 8, 4)
     assert four in configs.TMA_ONLY
@@ -238,7 +239,7 @@ def test_extend_calibrates_only_the_new_config():
 
 def test_jax_front_end_picks_without_tma(monkeypatch):
     jnp = pytest.importorskip("jax.numpy")
-    from moegemm.jax import _launch as jax_launch
+    from moegemm._src.jax import launch as jax_launch
 
     seen = []
     inner = configs.pick_config

@@ -16,7 +16,8 @@ import pytest
 import torch
 from conftest import BACKENDS, DEVICE, needs_cuda
 
-from moegemm import fp8, shapes
+from moegemm import shapes
+from moegemm._src import fp8
 from moegemm.testing import oracle
 from moegemm.testing.accuracy import relerr
 from moegemm.torch import GroupedLinear
@@ -269,7 +270,7 @@ def test_quantize_transposed_only_matches_full(recipe, backend):
     """data=False (what GroupedLinear's forward uses after its GEMM) writes the same transposed copy
     and scales as the full call, and no data; tensorwise refuses it (its copy needs the data call's
     group scales)."""
-    from moegemm.torch import _ops_fp8
+    from moegemm._src.torch import ops_fp8 as _ops_fp8
 
     sizes = [40, 0, 70, 25]
     x = outliers(150, 208, seed=7).to(DEVICE)
@@ -297,8 +298,8 @@ class TestQuantize(QuantizeTest):
 def test_quantize_tiles_geometry_covers_every_tile(R, C, G, write_q):
     """The grid holds every row tile of any group sizes (each group's partial tile and the tail slot's),
     every column tile, and small problems get single-tile programs (at least 16 per SM where possible)."""
-    from moegemm import configs
-    from moegemm.kernels import quantize_fp8 as qk
+    from moegemm._src import configs
+    from moegemm._src.kernels import quantize_fp8 as qk
 
     config, sms = configs.QuantizeConfig(), 132
     block_r, block_c, chunks, warps, grid = qk.tiles_geometry(R, C, G, qk.BLOCK_1X128, write_q, config, sms)
@@ -321,8 +322,8 @@ def test_quantize_tiles_geometry_covers_every_tile(R, C, G, write_q):
 @pytest.mark.parametrize("scaling", [0, 1, 2], ids=["tensor", "1x128", "128x128"])
 def test_quantize_tile_shape_is_the_launch_tile(scaling, write_q):
     """tile_shape (the torch launcher's int64-offset decision uses it) is the tile tiles_geometry launches."""
-    from moegemm import configs
-    from moegemm.kernels import quantize_fp8 as qk
+    from moegemm._src import configs
+    from moegemm._src.kernels import quantize_fp8 as qk
 
     for config in (configs.QuantizeConfig(), configs.QuantizeConfig(q_rows=256, t_cols=64)):
         shape = qk.tile_shape(scaling, write_q, config)
@@ -344,7 +345,7 @@ def ws_spy(monkeypatch, launch_name: str, config=None) -> list:
     """Skips without Gluon on an sm90 GPU. Else returns the list that records the spec of every launch
     through ``_launch_fp8.<launch_name>`` (a warp-specialized kernel), with ``config`` forced for both
     warp-specialized kernels if given (launch caches cleared; callers clear them again after)."""
-    from moegemm.torch import _launch_fp8
+    from moegemm._src.torch import launch_fp8 as _launch_fp8
 
     if not _launch_fp8._ws_device(torch.device(DEVICE)):
         pytest.skip("the warp-specialized kernel needs Gluon and an sm90 GPU")
@@ -375,8 +376,8 @@ def test_m_grouped_fp8_warp_specialized(recipe, block_n, M, K, N, sizes, monkeyp
     """The warp-specialized Gluon kernel (promoted mode on sm90), each tile width: fprop with bias (fp32
     out) and dgrad (bf16 out) against the fp64 oracle, rows past the groups exactly 0; a spy makes
     sure it is that kernel that ran."""
-    from moegemm import configs
-    from moegemm.torch import _launch_fp8
+    from moegemm._src import configs
+    from moegemm._src.torch import launch_fp8 as _launch_fp8
 
     calls = ws_spy(monkeypatch, "M_GROUPED_FP8_WS", configs.Fp8WsConfig(block_n, 4 if block_n == 256 else 6))
     try:
@@ -423,8 +424,8 @@ def test_m_grouped_fp8_warp_specialized_takes_the_suite(case):
     """Every suite shape's fprop and dgrad qualify for the warp-specialized kernel (a stride bound once
     counted the weight's group stride and silently sent every large problem to the Triton kernel), and
     blockwise always gets a config."""
-    from moegemm import configs
-    from moegemm.kernels import m_grouped_fp8_ws as ws
+    from moegemm._src import configs
+    from moegemm._src.kernels import m_grouped_fp8_ws as ws
 
     if not ws.supported():
         pytest.skip("this Triton has no Gluon Hopper API")
@@ -454,8 +455,8 @@ def test_k_grouped_fp8_warp_specialized(recipe, block_n, accumulate, M, K, N, si
     the fp64 oracle of the dequantized transposed copies, into a NaN-poisoned buffer (every element
     written) or accumulated into main_grad (an empty group's left bit-identical); a spy makes sure it
     is that kernel that ran."""
-    from moegemm import configs
-    from moegemm.torch import _launch_fp8
+    from moegemm._src import configs
+    from moegemm._src.torch import launch_fp8 as _launch_fp8
 
     config = configs.Fp8WsConfig(block_n, 4 if block_n == 256 else 6, 8, 216 if block_n == 256 else 200)
     calls = ws_spy(monkeypatch, "K_GROUPED_FP8_WS", config)
@@ -491,8 +492,8 @@ def test_k_grouped_fp8_warp_specialized(recipe, block_n, accumulate, M, K, N, si
 @pytest.mark.parametrize("name,M,sizes", shapes.INVALID_SIZES, ids=[c[0] for c in shapes.INVALID_SIZES])
 def test_k_grouped_fp8_warp_specialized_clamps_bad_sizes(name, M, sizes, recipe, monkeypatch):
     """Device-side sizes that break the contract: the warp-specialized wgrad clamps as the twin does."""
-    from moegemm import configs
-    from moegemm.torch import _launch_fp8
+    from moegemm._src import configs
+    from moegemm._src.torch import launch_fp8 as _launch_fp8
 
     # These short groups would route tensorwise/rowwise stores to the Triton kernel.
     calls = ws_spy(monkeypatch, "K_GROUPED_FP8_WS", configs.Fp8WsConfig(128, 6, 8, 200))
@@ -513,8 +514,8 @@ def test_k_grouped_fp8_warp_specialized_clamps_bad_sizes(name, M, sizes, recipe,
 def test_k_grouped_fp8_warp_specialized_takes_the_suite(case):
     """Every suite shape's wgrad (dW [G, N, K] = dy_t @ x_t^T) qualifies for the warp-specialized
     kernel, with a config of either width."""
-    from moegemm import configs
-    from moegemm.kernels import k_grouped_fp8_ws as k_ws
+    from moegemm._src import configs
+    from moegemm._src.kernels import k_grouped_fp8_ws as k_ws
 
     if not k_ws.supported():
         pytest.skip("this Triton has no Gluon Hopper API")
@@ -639,7 +640,7 @@ def test_grouped_linear_fp8_step_order_keeps_one_copy_alive(recipe, monkeypatch)
     import gc
     import weakref
 
-    from moegemm.torch import _ops_fp8
+    from moegemm._src.torch import ops_fp8 as _ops_fp8
 
     events = []
     quantize, m_grouped, k_out = _ops_fp8.quantize, _ops_fp8.m_grouped, _ops_fp8.k_grouped_out

@@ -364,7 +364,7 @@ class GroupedLinearTest:
     def test_eager_calls_skip_custom_op_dispatch(self, fuse, monkeypatch):
         """Eager fwd+bwd launches directly (parameters included): the torch.library ops are for tracing,
         and their Python dispatch cost more than the kernels at small shapes (issue 4's overhead)."""
-        from moegemm.torch import _ops
+        from moegemm._src.torch import ops as _ops
 
         def traced_only(*args, **kwargs):
             raise AssertionError("an eager GroupedLinear call went through a torch.library custom op")
@@ -603,7 +603,7 @@ def test_tma_loads_in_backward_and_graph_replay(monkeypatch):
     where autograd runs the backward (a thread of its own, which needs Triton's scratch allocator there
     too) and inside a CUDA graph (the scratch comes from the graph's pool), replayed with new sizes: y, dx
     and dweight against the fp64 loop, and a spy that every launch took the TMA loads."""
-    from moegemm.torch import _launch
+    from moegemm._src.torch import launch as _launch
 
     flat_configs(monkeypatch, tma_load=True)
     monkeypatch.setattr(_launch, "TMA_LOAD", True)

@@ -18,9 +18,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moegemm import layout, shapes
-from moegemm.jax import _interpret, _jax_triton, api
-from moegemm.layout import group_bounds
+from moegemm import shapes
+from moegemm._src import layout
+from moegemm._src.jax import interpret as _interpret
+from moegemm._src.jax import jax_triton as _jax_triton
+from moegemm._src.layout import group_bounds
+from moegemm.jax import api
 from moegemm.testing import oracle
 
 # The Triton interpreter itself trips this numpy deprecation on every scalar index.
@@ -535,7 +538,7 @@ def test_launch_matches_kernel_signature(which):
     strides, constexprs) in meta as a Python value, because jax-triton makes meta constexprs."""
     import inspect
 
-    from moegemm.jax import _launch
+    from moegemm._src.jax import launch as _launch
 
     x, gs = jnp.ones((10, 6), BF16), jnp.asarray([4, 6], jnp.int32)
     offset = jnp.int32(1) if which.endswith("offset") else None

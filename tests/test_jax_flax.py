@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moegemm.jax import _interpret, _jax_triton
+from moegemm._src.jax import interpret as _interpret
+from moegemm._src.jax import jax_triton as _jax_triton
 from moegemm.testing import oracle
 
 nn = pytest.importorskip("flax.linen", reason="flax is an optional dependency of moegemm.jax")

@@ -17,10 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moegemm import fp8
-from moegemm.jax import _interpret, _jax_triton, reference_fp8
+from moegemm._src import fp8
+from moegemm._src.jax import interpret as _interpret
+from moegemm._src.jax import jax_triton as _jax_triton
+from moegemm._src.layout import group_bounds
 from moegemm.jax import fp8 as jfp8
-from moegemm.layout import group_bounds
+from moegemm.jax import reference_fp8
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from moegemm import fp8
+from moegemm._src import fp8
 from moegemm.jax import reference_fp8 as J
 from moegemm.testing import oracle
 from moegemm.torch import reference_fp8 as T

@@ -16,7 +16,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moegemm.jax import _jax_triton, collective_gemm, reference
+from moegemm._src.jax import jax_triton as _jax_triton
+from moegemm.jax import collective_gemm, reference
 from moegemm.jax import sharding as msh
 from moegemm.testing.hlo import COLLECTIVES, collectives_in_hlo
 

@@ -10,8 +10,9 @@ import torch
 from conftest import DEVICE, flat_configs, record_launches, spy_store_paths
 
 from moegemm import shapes
+from moegemm._src.torch import ops as _ops
 from moegemm.testing import assert_rel_close, oracle
-from moegemm.torch import _ops, k_grouped_mm
+from moegemm.torch import k_grouped_mm
 
 
 def make_inputs(M, K, N, dtype, seed=0, transposed=False):
@@ -213,7 +214,7 @@ class TestKGroupedTritonFlat(KGroupedTest):
 
     @pytest.fixture(autouse=True)
     def flat_cp_async(self, monkeypatch):
-        from moegemm.torch import _launch
+        from moegemm._src.torch import launch as _launch
 
         monkeypatch.setattr(_launch, "TMA_LOAD", False)
         flat_configs(monkeypatch)
@@ -222,7 +223,7 @@ class TestKGroupedTritonFlat(KGroupedTest):
 
     def test_flat_config_is_used(self):
         """The flat loop for 2-byte outputs; fp32 outputs keep the loop per tile (shared memory)."""
-        from moegemm.torch import _launch
+        from moegemm._src.torch import launch as _launch
 
         spec = (64, 16, 16, 2, torch.bfloat16, torch.device(DEVICE), 16, True, False, False)
         assert _launch._k_launch(*spec, 2, False, False).meta["FLAT"]
@@ -240,7 +241,7 @@ class TestKGroupedTritonFlatTmaLoad(KGroupedTest):
 
     @pytest.fixture(autouse=True)
     def spy(self, monkeypatch):
-        from moegemm.torch import _launch
+        from moegemm._src.torch import launch as _launch
 
         monkeypatch.setattr(_launch, "TMA_LOAD", True)
         monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", 0)  # the tests' problems are tiny
@@ -250,7 +251,7 @@ class TestKGroupedTritonFlatTmaLoad(KGroupedTest):
         _launch.clear_launch_cache()
 
     def check(self, M, K, N, sizes, dtype=torch.bfloat16, out_dtype=None, transposed=False, seed=0):
-        from moegemm.torch import _launch
+        from moegemm._src.torch import launch as _launch
 
         before = len(self.calls)
         out = super().check(M, K, N, sizes, dtype, out_dtype, transposed, seed)
@@ -286,7 +287,7 @@ class TestKGroupedTritonFlatTmaLoad(KGroupedTest):
     def test_small_launches_keep_cp_async(self, monkeypatch):
         """Below TMA_LOAD_MIN_FLOPS (2 M N K) the config's TMA loads give way to cp.async: the per-call
         scratch allocation would cost more host time than so short a launch hides."""
-        from moegemm.torch import _launch
+        from moegemm._src.torch import launch as _launch
 
         M, K, N, sizes = 40, 16, 24, [25, 15]
         a, b = make_inputs(M, K, N, torch.bfloat16, seed=8)
@@ -315,8 +316,8 @@ class TestKGroupedWs(KGroupedTest):
 
     @pytest.fixture(autouse=True)
     def spy(self, monkeypatch):
-        from moegemm import configs
-        from moegemm.torch import _launch
+        from moegemm._src import configs
+        from moegemm._src.torch import launch as _launch
 
         for flag in ("TMA_LOAD", "TMA_STORE", "WS_WGRAD"):
             monkeypatch.setattr(_launch, flag, True)
@@ -370,8 +371,8 @@ class TestKGroupedWs(KGroupedTest):
         tile past K (576), an N tail (2000), empty and one-row groups among long ones."""
         if not self.ws_here:
             pytest.skip("the kernel's protocol across tiles; without an sm90 GPU the Triton kernel runs")
-        from moegemm import configs
-        from moegemm.torch import _launch
+        from moegemm._src import configs
+        from moegemm._src.torch import launch as _launch
 
         config = dataclasses.replace(configs.candidates("k_grouped_ws", "sm90")[0], num_stages=stages)
         monkeypatch.setattr(configs, "pick_k_ws_config", lambda **kw: config)
@@ -402,8 +403,8 @@ class TestKGroupedWs(KGroupedTest):
 def test_k_ws_rule():
     """The warp-specialized wgrad's routing: groups averaging more than K_WS_MIN_ROWS rows, however long; a cache
     entry with ``triton`` keeps the Triton kernel (checked through the cache hook, no GPU needed)."""
-    from moegemm import configs
-    from moegemm.kernels import k_grouped_ws
+    from moegemm._src import configs
+    from moegemm._src.kernels import k_grouped_ws
 
     low = configs.K_WS_MIN_ROWS
     pick = configs.pick_k_ws_config
@@ -443,7 +444,7 @@ class TestKGroupedTritonTmaStore(KGroupedTest):
 
     @pytest.fixture(autouse=True)
     def spy(self, monkeypatch):
-        from moegemm.torch import _launch
+        from moegemm._src.torch import launch as _launch
 
         self.calls = spy_store_paths(monkeypatch, "k_grouped")
         yield
@@ -490,7 +491,7 @@ class TestKGroupedTritonTmaStore(KGroupedTest):
     def test_small_launches_store_from_registers(self, monkeypatch):
         """Below TMA_STORE_MIN_FLOPS (2 M N K) the launch keeps the register store: the descriptor's host
         cost would not hide behind so short a launch."""
-        from moegemm.torch import _launch
+        from moegemm._src.torch import launch as _launch
 
         M, K, N, sizes = 40, 16, 24, [25, 15]
         a, b = make_inputs(M, K, N, torch.bfloat16, seed=8)
@@ -524,7 +525,7 @@ class TestKGroupedTritonRegisterStore(KGroupedTest):
 
     @pytest.fixture(autouse=True)
     def no_tma_store(self, monkeypatch):
-        from moegemm.torch import _launch
+        from moegemm._src.torch import launch as _launch
 
         monkeypatch.setattr(_launch, "TMA_STORE", False)
         _launch.clear_launch_cache()
@@ -540,8 +541,8 @@ class TestKGroupedReference(KGroupedTest):
 def test_launch_refuses_2_31_rows():
     """The kernel counts a group's rows in int32: a launch description for 2**31 rows fails with the count,
     one for 2**31 - 1 rows is made (no tensors needed)."""
-    from moegemm import configs
-    from moegemm.kernels.k_grouped import KGroupedLaunch
+    from moegemm._src import configs
+    from moegemm._src.kernels.k_grouped import KGroupedLaunch
 
     config = configs.candidates("k_grouped", "sm90")[0]
     kw = dict(config=config, num_programs_cap=132, fp32_inputs=False, accumulate=False, interpret=False)

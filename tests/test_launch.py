@@ -13,8 +13,9 @@ import torch
 import triton
 from conftest import DEVICE
 
+from moegemm._src.torch import launch as _launch
 from moegemm.testing import assert_rel_close
-from moegemm.torch import _launch, k_grouped_mm, m_grouped_mm
+from moegemm.torch import k_grouped_mm, m_grouped_mm
 from moegemm.torch.reference import k_grouped_mm_reference, m_grouped_mm_reference
 
 

@@ -13,8 +13,9 @@ from conftest import DEVICE, needs_cuda, record_launches, spy_store_paths
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moegemm import configs, shapes
-from moegemm.kernels import m_grouped
+from moegemm import shapes
+from moegemm._src import configs
+from moegemm._src.kernels import m_grouped
 from moegemm.testing import assert_rel_close, oracle
 from moegemm.torch import k_grouped_mm, m_grouped_mm
 
@@ -115,7 +116,7 @@ class TestMGroupedTritonTmaStore(MGroupedTest):
 
     @pytest.fixture(autouse=True)
     def spy(self, monkeypatch):
-        from moegemm.torch import _launch
+        from moegemm._src.torch import launch as _launch
 
         self.calls = spy_store_paths(monkeypatch, "m_grouped")
         yield
@@ -150,7 +151,7 @@ class TestMGroupedTritonTmaLoad(MGroupedTest):
 
     @pytest.fixture(autouse=True)
     def spy(self, monkeypatch):
-        from moegemm.torch import _launch
+        from moegemm._src.torch import launch as _launch
 
         monkeypatch.setattr(configs, "M_FLAT", self.FLAT)
         monkeypatch.setattr(_launch, "TMA_LOAD", True)
@@ -161,12 +162,12 @@ class TestMGroupedTritonTmaLoad(MGroupedTest):
         _launch.clear_launch_cache()
 
     def launched_tma_load(self, before: int) -> list[bool]:
-        from moegemm.torch import _launch
+        from moegemm._src.torch import launch as _launch
 
         return [_launch._m_launch(*spec).meta["TMA_LOAD"] for _, spec in self.calls[before:]]
 
     def check(self, M, K, N, sizes, dtype=torch.bfloat16, layout="transpose_w", **kwargs):
-        from moegemm.torch import _launch
+        from moegemm._src.torch import launch as _launch
 
         before = len(self.calls)
         out = super().check(M, K, N, sizes, dtype=dtype, layout=layout, **kwargs)
@@ -222,7 +223,7 @@ class TestMGroupedTritonTmaLoad(MGroupedTest):
 
     def test_small_launches_keep_cp_async(self, monkeypatch):
         """Below TMA_LOAD_MIN_FLOPS (2 M N K) the launch keeps cp.async (the scratch costs host time)."""
-        from moegemm.torch import _launch
+        from moegemm._src.torch import launch as _launch
 
         M, K, N = 40, 64, 24
         x, w = make_inputs(M, K, N, 2, torch.bfloat16, "transpose_w", seed=8)
@@ -255,7 +256,7 @@ class TestMGroupedTritonFlatTmaStore(TestMGroupedTritonFlat):
         yield
 
     def check(self, M, K, N, sizes, dtype=torch.bfloat16, layout="transpose_w", **kwargs):
-        from moegemm.torch import _launch
+        from moegemm._src.torch import launch as _launch
 
         before = len(self.store_calls)
         out = super().check(M, K, N, sizes, dtype=dtype, layout=layout, **kwargs)
@@ -276,7 +277,7 @@ class TestMGroupedTritonFlatTmaStore(TestMGroupedTritonFlat):
         device pick one: the flat loop where every group fills whole row tiles (128-row multiples are whole for
         every BLOCK_M), the per-tile loop with its half-high tiles where one does not. Both must be right; 7 rows
         past the groups are unowned (zeros)."""
-        from moegemm.torch import _launch
+        from moegemm._src.torch import launch as _launch
 
         monkeypatch.setattr(m_grouped, "FLAT_MAX_K", 32)
         _launch.clear_launch_cache()
@@ -300,7 +301,7 @@ class TestMGroupedTritonRegisterStore(MGroupedTest):
 
     @pytest.fixture(autouse=True)
     def no_tma_store(self, monkeypatch):
-        from moegemm.torch import _launch
+        from moegemm._src.torch import launch as _launch
 
         monkeypatch.setattr(_launch, "TMA_STORE", False)
         _launch.clear_launch_cache()
@@ -318,8 +319,8 @@ class TestMGroupedTritonUniformM(MGroupedTest):
 
     @pytest.fixture(autouse=True)
     def uniform(self, monkeypatch):
-        from moegemm import configs
-        from moegemm.torch import _launch
+        from moegemm._src import configs
+        from moegemm._src.torch import launch as _launch
 
         monkeypatch.setattr(configs, "MIXED_M", False)
         monkeypatch.setattr(configs, "TAIL_SPLIT", False)
@@ -336,7 +337,7 @@ def half_tile_launches(monkeypatch, tma: bool) -> tuple:
     """The half-high tile tests' setup: TMA loads as given (at any problem size), the per-tile loop (the flat
     one runs every tile full height) and the table's default config (128 rows on sm90), whatever the model
     would pick for their small problems. Returns (target, device name, that config, the recorded launches)."""
-    from moegemm.torch import _launch
+    from moegemm._src.torch import launch as _launch
 
     monkeypatch.setattr(_launch, "TMA_LOAD", tma)
     monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", 0)
@@ -358,7 +359,7 @@ def test_mixed_m_half_tiles_match_full_tiles(monkeypatch, layout, tma):
     and BLOCK_M - 1 rows (full tiles), an empty group and one hot expert: the same out with mixed tile
     heights as with every tile full height, and the launch must have had them on. On a GPU the two agree
     bitwise (each element's reduction runs in the same order in both tile heights)."""
-    from moegemm.torch import _launch
+    from moegemm._src.torch import launch as _launch
 
     target, _, default, calls = half_tile_launches(monkeypatch, tma)
     block_m = default.block_m
@@ -399,7 +400,7 @@ def test_tail_split_halves_match_whole_tiles(monkeypatch, layout, tma):
     programs count under which the kernel's rule splits (2 x tail <= NUM_PROGRAMS), write every element of
     a NaN-poisoned out (unowned rows 0), match the oracle and, on a GPU, the whole-tile launch bitwise
     (whether the rule split is not visible in out: the halves compute what the whole tile would)."""
-    from moegemm.torch import _launch
+    from moegemm._src.torch import launch as _launch
 
     target, device_name, default, calls = half_tile_launches(monkeypatch, tma)
     bm, half = default.block_m, default.block_m // 2
@@ -492,8 +493,8 @@ def test_flat_rule():
 def test_mixed_m_rule():
     """Where the GPU runs half-high tail tiles: 128-row configs, K <= MIXED_M_MAX_K, K and N multiples of 16
     (odd rows miscomputed on the H100, perf-notes 27); the interpreter runs them on any tile."""
-    from moegemm import configs
-    from moegemm.kernels import m_grouped
+    from moegemm._src import configs
+    from moegemm._src.kernels import m_grouped
 
     big, small = configs.MGroupedConfig(128, 256, 64), configs.MGroupedConfig(64, 256, 64)
     limit = m_grouped.MIXED_M_MAX_K
@@ -515,7 +516,7 @@ def test_mixed_m_rule():
 def test_mixed_m_needs_aligned_rows(monkeypatch):
     """The PyTorch launcher allows half-high tiles only where x's, w's and out's rows are 16-element aligned:
     an x view with 40-element rows (K = 32) launches without them, the same x contiguous with them."""
-    from moegemm.torch import _launch
+    from moegemm._src.torch import launch as _launch
 
     monkeypatch.setattr(_launch, "TMA_LOAD", False)
     calls = record_launches(monkeypatch, "m_grouped")

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from moegemm.kernels import gluon_hopper
+from moegemm._src.kernels import gluon_hopper
 from moegemm.testing import sm90
 
 # Dynamic shared memory a block may use on sm90 (227 KB); an SM has 228 KB, 1 KB of it reserved per CTA.

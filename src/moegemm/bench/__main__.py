@@ -60,13 +60,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--tune",
         action="store_true",
         help="time every moegemm candidate config per case/op and "
-        "write the best into src/moegemm/tuned_configs/<device>.json",
+        "write the best into src/moegemm/_src/tuned_configs/<device>.json",
     )
     p.add_argument(
         "--cache-dir",
         type=Path,
         help="where --tune writes <device>.json (default: the committed "
-        "src/moegemm/tuned_configs/; elsewhere, the file starts as a copy of the committed one)",
+        "src/moegemm/_src/tuned_configs/; elsewhere, the file starts as a copy of the committed one)",
     )
     model = p.add_argument_group("config cost model (moegemm/cost_model.py; no GPU needed)")
     model.add_argument(
@@ -75,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=Path,
         metavar="TUNE_JSON",
         help="fit the model to these --tune result files and write it (--out, default the committed "
-        "src/moegemm/tuned_configs/model-sm90.json)",
+        "src/moegemm/_src/tuned_configs/model-sm90.json)",
     )
     model.add_argument(
         "--extend-model",
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
         fp8_jax.run(select_cases(args, shapes, cuda), ops, _csv(args.fp8_recipes), device, out)
         return 0
     if args.fp8:
-        from moegemm import configs
+        from moegemm._src import configs
         from moegemm.bench import fp8
 
         out = (
@@ -261,7 +261,7 @@ def main(argv=None) -> int:
     ) as bar:
         n = harness.steps(spec)
         if args.tune:
-            from moegemm import configs
+            from moegemm._src import configs
             from moegemm.bench import tune
 
             n = len(spec.cases) * sum(len(configs.candidates(tune.OP_KIND[op], "sm90")) for op in ops)
@@ -312,7 +312,7 @@ def main(argv=None) -> int:
 def _model_cli(args) -> int:
     import json
 
-    from moegemm import cost_model
+    from moegemm._src import cost_model
     from moegemm.bench import fit_model
 
     if args.fit_model:

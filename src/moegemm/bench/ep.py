@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moegemm import layout, shapes
+from moegemm import shapes
+from moegemm._src import layout
 
 OPS = ("fwd", "dgrad", "wgrad")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moegemm import configs, cost_model
+from moegemm._src import configs, cost_model
 
 GLOBALS = ("bw", "gamma", "c0", "p")
 # Initial values and the transform that keeps each parameter in its range (fitted in log space).

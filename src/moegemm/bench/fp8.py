@@ -258,9 +258,9 @@ class Fp8Bench:
     def tune(self, case: shapes.Case, ops, recipes, modes=("promoted", "fast")) -> dict[str, dict]:
         """Times every candidate config of each (op, recipe, accumulation mode) on this case; returns
         the winners by the cache key the launcher looks up (recorded by ``harness.config_spy``)."""
-        from moegemm import configs
+        from moegemm._src import configs
+        from moegemm._src.torch.launch_fp8 import fp8_op
         from moegemm.bench import harness, tune
-        from moegemm.torch._launch_fp8 import fp8_op
 
         G, M, K, N = case.G, case.M, case.K, case.N
         sizes = shapes.group_sizes(M, G, seed=self.seed)
@@ -388,14 +388,14 @@ def run(
 ) -> dict:
     """The FP8 benchmark; with ``tune_dir``, first times every candidate config per (case, op,
     recipe, accumulation mode) and merges the winners into ``tune_dir``/<device>.json (loaded by
-    ``moegemm.configs`` when it is the committed directory), then benchmarks with them."""
+    ``moegemm._src.configs`` when it is the committed directory), then benchmarks with them."""
     from rich.console import Console
     from rich.table import Table
 
     bench = Fp8Bench(device, cfg)
     console = Console(width=180)
     if tune_dir is not None:
-        from moegemm import configs
+        from moegemm._src import configs
         from moegemm.bench import tune
 
         for case in cases:

@@ -19,10 +19,10 @@ import torch
 import triton
 
 from moegemm import shapes, testing
+from moegemm._src.torch import ops as _ops
 from moegemm.bench import roofline, timing
 from moegemm.bench.problem import Problem, make_problem
 from moegemm.bench.registry import Impl
-from moegemm.torch import _ops
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 TORCH_PEER = "torch._grouped_mm"
@@ -41,7 +41,7 @@ class Environment:
 
     @classmethod
     def detect(cls, device: torch.device) -> Environment:
-        from moegemm import configs
+        from moegemm._src import configs
 
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{platform.machine()}"
         return cls(
@@ -107,7 +107,7 @@ def config_spy(seen: list[dict]):
     arguments, returned config and cache key to ``seen``; the launchers look it up through the module. The
     warp-specialized wgrad's pick (``pick_k_ws_config``) is recorded where it routes a launch (op
     "k_grouped_ws")."""
-    from moegemm import configs
+    from moegemm._src import configs
 
     inner, inner_ws = configs.pick_config, configs.pick_k_ws_config
 

@@ -1,7 +1,7 @@
 """``--tune``: time every candidate tile config of moegemm per (case, op) and commit the fastest.
 
 Candidates are ``configs.TABLE[(op_kind, target)]`` (op_kind "m_grouped" for fwd/dgrad, "k_grouped"
-for wgrad). A config is forced by swapping ``moegemm.configs.pick_config`` (the launcher looks it up
+for wgrad). A config is forced by swapping ``moegemm._src.configs.pick_config`` (the launcher looks it up
 through the module on every call) for one that returns the candidate; ``harness.config_spy`` records
 the launcher's own arguments, and the cache key is built from those, so it matches what
 ``pick_config`` will look up later (dgrad's and wgrad's launcher N and K are the case's K and N
@@ -17,7 +17,7 @@ import functools
 import json
 from pathlib import Path
 
-from moegemm import configs
+from moegemm._src import configs
 from moegemm.bench import harness
 from moegemm.bench.registry import REGISTRY
 
@@ -28,7 +28,8 @@ OP_KIND = {"fwd": "m_grouped", "dgrad": "m_grouped", "wgrad": "k_grouped"}
 def force_config(config):
     """Every ``configs.pick_config`` call returns ``config`` (the launchers look it up per call), and the
     warp-specialized wgrad routes nothing (``pick_k_ws_config``: None), so the candidate is what runs."""
-    from moegemm.torch import _launch, _launch_fp8
+    from moegemm._src.torch import launch as _launch
+    from moegemm._src.torch import launch_fp8 as _launch_fp8
 
     original, original_ws = configs.pick_config, configs.pick_k_ws_config
     configs.pick_config = lambda op, target, **kwargs: config
@@ -93,7 +94,7 @@ def write_cache(device_name: str, winners: dict[str, dict], cache_dir: Path = co
     if not winners:
         return path
     # A new file elsewhere (--cache-dir $OUT on a GPU box) starts from the committed cache, so it can
-    # be copied over src/moegemm/tuned_configs/ as a whole.
+    # be copied over src/moegemm/_src/tuned_configs/ as a whole.
     base = path if path.exists() else configs.CACHE_DIR / path.name
     cache = json.loads(base.read_text()) if base.exists() else {}
     cache.update(winners)

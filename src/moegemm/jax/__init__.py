@@ -1,6 +1,6 @@
 """JAX front end: a ``jax.lax.ragged_dot`` drop-in, grouped GEMMs with custom_vjp, and a Flax hook.
 
-The Triton kernels in ``moegemm.kernels`` run on the GPU through jax-triton; see ``moegemm.jax.api``
+The Triton kernels in ``moegemm._src.kernels`` run on the GPU through jax-triton; see ``moegemm.jax.api``
 for the backends. Flax modules live in ``moegemm.jax.flax`` (imported on demand: flax is optional).
 """
 

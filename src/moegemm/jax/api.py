@@ -19,8 +19,11 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from moegemm.jax import _interpret, _jax_triton, _ops, reference
-from moegemm.jax._launch import Executor
+from moegemm._src.jax import interpret as _interpret
+from moegemm._src.jax import jax_triton as _jax_triton
+from moegemm._src.jax import ops as _ops
+from moegemm._src.jax.launch import Executor
+from moegemm.jax import reference
 
 Backend = Literal["auto", "triton", "interpret", "reference"]
 BACKENDS = ("auto", "triton", "interpret", "reference")

@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from moegemm import fp8
+from moegemm._src import fp8
 from moegemm.jax import api
 from moegemm.jax import fp8 as jax_fp8
 

@@ -1,7 +1,7 @@
 """FP8 grouped GEMMs for JAX: quantize, scaled m-grouped (fprop/dgrad) and k-grouped (wgrad), and
 ``ragged_dot_fp8``, the differentiable training op.
 
-Recipes and scale layouts are ``moegemm.fp8``'s (tensorwise current scaling, per tensor or per
+Recipes and scale layouts are ``moegemm._src.fp8``'s (tensorwise current scaling, per tensor or per
 group; rowwise; blockwise: 1x128 activation tiles, 128x128 weight blocks, fp32 promotion every 128
 of K), and the kernels are the PyTorch front end's (one Triton source), launched through jax-triton.
 
@@ -28,8 +28,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from moegemm import fp8
-from moegemm.jax import _ops_fp8, reference_fp8
+from moegemm._src import fp8
+from moegemm._src.jax import ops_fp8 as _ops_fp8
+from moegemm.jax import reference_fp8
 from moegemm.jax.api import (
     Backend,
     _accumulate_buffer,
@@ -48,7 +49,7 @@ __all__ = ["Fp8Array", "k_grouped_mm_fp8", "m_grouped_mm_fp8", "quantize_fp8", "
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Fp8Array:
-    """A quantized array, a pytree: ``data * scale`` approximates it (layouts in ``moegemm.fp8``).
+    """A quantized array, a pytree: ``data * scale`` approximates it (layouts in ``moegemm._src.fp8``).
 
     Activations (``shape`` = (M, K)): data [M, K]; scale [G] (tensorwise), [M] (rowwise) or
     [cdiv(K, 128), M] (blockwise, M-major); data_t [K, M_t] and scale_t (the wgrad operand) or None;

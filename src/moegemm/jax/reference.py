@@ -1,7 +1,7 @@
 """Plain jax.numpy twins of the kernels: the test oracle and the CPU fallback.
 
 Same semantics as the kernels and ``moegemm.torch.reference``, clamping included (the rule of
-``moegemm.layout``): sizes clamp to [0, M], offsets are prefix sums clamped at M, rows past
+``moegemm._src.layout``): sizes clamp to [0, M], offsets are prefix sums clamped at M, rows past
 sum(group_sizes) belong to no group. Unlike the torch twin they stay on the device (no sync), so
 they run under jit and are differentiable.
 They compute densely over groups (a [G, M] row mask), which is fine for an oracle and CPU fallback.
@@ -12,13 +12,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moegemm import layout
+from moegemm._src import layout
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def group_mask(group_sizes: jax.Array, M: int, group_offset=None, num_groups: int | None = None) -> jax.Array:
-    """[G, M] bool: mask[g, r] = row r belongs to group g (``moegemm.layout``'s rule).
+    """[G, M] bool: mask[g, r] = row r belongs to group g (``moegemm._src.layout``'s rule).
 
     With ``group_offset`` (expert parallelism): [num_groups, M], the masks of groups
     [offset, offset + num_groups) of the G_total in group_sizes (``layout.local_groups``).

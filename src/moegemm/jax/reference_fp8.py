@@ -5,9 +5,9 @@ The port of ``moegemm.torch.reference_fp8`` to JAX: the quantize twins reproduce
 rounded fp32 division (1 where amax is 0), and ``clip(x / scale, -max, max)`` cast round-to-nearest-
 even; the GEMM twins multiply the dequantized operands in fp32 (precision HIGHEST). Everything stays
 on the device: group_sizes may be a traced int32 array under ``jax.jit`` (static shapes only; the
-groups become masks, segment reductions, gathers and scatters), grouped by ``moegemm.layout``'s rule.
+groups become masks, segment reductions, gathers and scatters), grouped by ``moegemm._src.layout``'s rule.
 
-The JAX storage layouts are ``moegemm.fp8``'s, row-major without row padding, except one: the
+The JAX storage layouts are ``moegemm._src.fp8``'s, row-major without row padding, except one: the
 activations' blockwise ``scale`` is stored transposed, [cdiv(K, 128), M] (M-major; the kernel loads a
 tile's row scales as one vector) where torch's is [M, cdiv(K, 128)].
 
@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from moegemm import fp8, layout
+from moegemm._src import fp8, layout
 from moegemm.jax.reference import HIGHEST, group_mask
 
 AmaxReduce = Callable[[jax.Array], jax.Array] | None

@@ -1,6 +1,6 @@
 """The test oracle: plain numpy fp64 loops over host-side group sizes, independent of the library.
 
-It shares no code with the kernels, the launchers, the reference twins or ``moegemm.layout``: a
+It shares no code with the kernels, the launchers, the reference twins or ``moegemm._src.layout``: a
 grouping bug in any of them cannot hide by being repeated here. Inputs are anything ``np.asarray``
 takes (a torch CPU tensor in fp32/fp64, a numpy or JAX array); bf16 inputs should be upcast first
 (``tensor.double()``), since numpy has no bfloat16.

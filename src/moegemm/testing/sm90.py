@@ -28,45 +28,21 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
-from moegemm import configs
-from moegemm.kernels import (
+from moegemm._src import configs
+from moegemm._src.kernels import (
     k_grouped,
     k_grouped_fp8_ws,
     k_grouped_ws,
     m_grouped,
     m_grouped_fp8_ws,
-    m_grouped_ws,
 )
-from moegemm.kernels.gluon_hopper import TensorDescriptor, gl
-from moegemm.kernels.schedule import sm90_shared_fits
+from moegemm._src.kernels.gluon_hopper import TensorDescriptor, gl
+from moegemm._src.kernels.schedule import sm90_shared_fits
 
 __all__ = ["KERNELS", "compile_kernel", "compile_source"]
 
 # A realistic specialization per kernel: (G, M, N, K) of dsv3-ep8-fc1 and the default configs.
 G, M, N, K = 32, 32768, 4096, 7168
-
-
-def _m_grouped_ws(w_k_contiguous: bool, tma: bool):
-    config = configs.WsConfig(tma=tma)
-    launch = m_grouped_ws.MGroupedWsLaunch.make(
-        M, N, K, G, config=config, num_programs_cap=132, w_k_contiguous=w_k_contiguous, has_bias=True, tma=tma,
-        w_row_stride=K if w_k_contiguous else N,
-    )  # fmt: skip
-    pointers = {
-        "x_ptr": "*bf16",
-        "w_ptr": "*bf16",
-        "group_sizes_ptr": "*i32",
-        "bias_ptr": "*bf16",
-        "out_ptr": "*bf16",
-    }
-    if tma:
-        x = torch.empty(16, 16, dtype=torch.bfloat16)  # only its dtype and alignment matter here
-        bn, bk = launch.meta["BLOCK_N"], launch.meta["BLOCK_K"]
-        block = [bn, bk] if w_k_contiguous else [bk, bn]
-        pointers["x_desc"] = _desc(x, [128, bk])
-        pointers["w_desc"] = _desc(x, block)
-        return m_grouped_ws.m_grouped_mm_ws_tma_kernel, launch.meta, pointers
-    return m_grouped_ws.m_grouped_mm_ws_kernel, launch.meta, pointers
 
 
 def _k_grouped_ws(num_stages: int | None = None):
@@ -275,10 +251,6 @@ KERNELS = {
         name: (lambda f=f, c=c, kw=kw: f(c, tma_store=True, **kw))
         for name, (f, c, kw) in _TMA_STORE_CANDIDATES.items()
     },
-    "m_grouped_ws-k-contiguous": lambda: _m_grouped_ws(True, False),
-    "m_grouped_ws-n-contiguous": lambda: _m_grouped_ws(False, False),
-    "m_grouped_ws_tma-k-contiguous": lambda: _m_grouped_ws(True, True),
-    "m_grouped_ws_tma-n-contiguous": lambda: _m_grouped_ws(False, True),
     "m_grouped_fp8_ws": _m_grouped_fp8_ws,
     "k_grouped_ws": _k_grouped_ws,
     "k_grouped_ws-3-slots": lambda: _k_grouped_ws(3),

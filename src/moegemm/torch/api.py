@@ -16,7 +16,8 @@ from typing import Literal
 
 import torch
 
-from moegemm.torch import _launch, _ops
+from moegemm._src.torch import launch as _launch
+from moegemm._src.torch import ops as _ops
 
 Backend = Literal["auto", "triton", "reference"]
 GroupSizes = torch.Tensor | Sequence[int]

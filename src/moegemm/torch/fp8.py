@@ -1,6 +1,6 @@
 """FP8 grouped GEMMs for PyTorch: quantize, scaled m-grouped (fprop/dgrad) and k-grouped (wgrad).
 
-Recipes and scale layouts are in ``moegemm.fp8``: tensorwise (current scaling, per tensor or per
+Recipes and scale layouts are in ``moegemm._src.fp8``: tensorwise (current scaling, per tensor or per
 group), rowwise (as ``torch._scaled_grouped_mm``) and blockwise (DeepSeek-V3: 1x128 activation
 tiles, 128x128 weight blocks, fp32 promotion every 128 of K).
 
@@ -22,8 +22,9 @@ import dataclasses
 
 import torch
 
-from moegemm import fp8
-from moegemm.torch import _ops_fp8, reference_fp8
+from moegemm._src import fp8
+from moegemm._src.torch import ops_fp8 as _ops_fp8
+from moegemm.torch import reference_fp8
 from moegemm.torch.api import (
     Backend,
     GroupSizes,
@@ -42,7 +43,7 @@ __all__ = ["Fp8Tensor", "k_grouped_mm_fp8", "m_grouped_mm_fp8", "quantize_fp8"]
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Tensor:
-    """A quantized tensor: ``data * scale`` approximates it (layouts in ``moegemm.fp8``).
+    """A quantized tensor: ``data * scale`` approximates it (layouts in ``moegemm._src.fp8``).
 
     Activations (``shape`` = (M, K)): data [M, K], data_t [K, M_t] (wgrad operand) or None,
     ``group_sizes`` the [G] sizes they were quantized with (None: one group). A weight

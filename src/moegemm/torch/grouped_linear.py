@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from moegemm.torch import _ops
+from moegemm._src.torch import ops as _ops
 from moegemm.torch.api import (
     FLOAT_DTYPES,
     Backend,

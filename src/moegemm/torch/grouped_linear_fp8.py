@@ -22,8 +22,9 @@ import dataclasses
 
 import torch
 
-from moegemm import fp8
-from moegemm.torch import _ops, _ops_fp8
+from moegemm._src import fp8
+from moegemm._src.torch import ops as _ops
+from moegemm._src.torch import ops_fp8 as _ops_fp8
 
 __all__ = ["Fp8Settings", "Fp8WeightCache"]
 
@@ -66,7 +67,7 @@ class Fp8WeightCache:
 
 
 def quantize_weight(weight: torch.Tensor, settings: Fp8Settings, backend: str):
-    """(data, scale, data_t, scale_t) of a [G, N, K] weight in e4m3, as views (see moegemm.fp8)."""
+    """(data, scale, data_t, scale_t) of a [G, N, K] weight in e4m3, as views (see moegemm._src.fp8)."""
     with torch.no_grad():
         G, N, K = weight.shape
         data_s, scale_s, data_t_s, scale_t_s = _ops_fp8.quantize(

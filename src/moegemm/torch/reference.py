@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from moegemm import layout
+from moegemm._src import layout
 
 
 def group_bounds(group_sizes: torch.Tensor, M: int) -> list[tuple[int, int]]:
-    """[(start_g, end_g)] of device or host sizes (one sync); see moegemm.layout for the rule."""
+    """[(start_g, end_g)] of device or host sizes (one sync); see moegemm._src.layout for the rule."""
     return layout.group_bounds(group_sizes.tolist(), M)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moegemm import fp8
+from moegemm._src import fp8
 from moegemm.torch.reference import group_bounds
 
 
@@ -123,7 +123,7 @@ def dequantize_weight(data, scale, recipe, *, dtype=torch.float32) -> torch.Tens
 
 
 def quantize_activation(x, group_sizes, recipe, dtype, transpose: bool):
-    """(data, scale, data_t, scale_t) of activations x [M, K] (``moegemm.fp8`` layouts); data_t and
+    """(data, scale, data_t, scale_t) of activations x [M, K] (``moegemm._src.fp8`` layouts); data_t and
     scale_t are None without ``transpose``."""
     M, K = x.shape
     G = 1 if group_sizes is None else group_sizes.shape[0]
@@ -180,7 +180,7 @@ def quantize_activation(x, group_sizes, recipe, dtype, transpose: bool):
 
 
 def quantize_weight(w, recipe, dtype, transpose: bool):
-    """(data [G, N, K], scale, data_t [G, K, N] or None, scale_t or None) of a weight (``moegemm.fp8``)."""
+    """(data [G, N, K], scale, data_t [G, K, N] or None, scale_t or None) of a weight (``moegemm._src.fp8``)."""
     G, N, K = w.shape
     wf = w.float()
     if recipe == "tensorwise":
@@ -226,7 +226,7 @@ def m_grouped_mm_fp8_reference(x, sx, w, sw, group_sizes, bias, recipe, out_dtyp
 def k_grouped_mm_fp8_reference(
     M, a_t, sa, b_t, sb, group_sizes, recipe, *, out=None, accumulate=False, out_dtype=torch.float32
 ):
-    """out[g] (+)= (a * sa)[rows(g)]^T @ (b * sb)[rows(g)] from the transposed copies (``moegemm.fp8``)."""
+    """out[g] (+)= (a * sa)[rows(g)]^T @ (b * sb)[rows(g)] from the transposed copies (``moegemm._src.fp8``)."""
     ad = dequantize_activation_t(a_t, sa, recipe, group_sizes, M)
     bd = dequantize_activation_t(b_t, sb, recipe, group_sizes, M)
     bounds = group_bounds(group_sizes, M)

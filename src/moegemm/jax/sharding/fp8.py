@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 
-from moegemm import fp8
-from moegemm.jax import _ops_fp8
+from moegemm._src import fp8
+from moegemm._src.jax import ops_fp8 as _ops_fp8
 from moegemm.jax.api import Backend, _executor
 from moegemm.jax.fp8 import Fp8Array
 from moegemm.jax.sharding.partition import named, ragged_dot, require_auto_axes

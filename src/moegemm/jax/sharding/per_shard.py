@@ -11,7 +11,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from moegemm import layout
+from moegemm._src import layout
 from moegemm.jax.sharding.local_ops import LocalOps
 from moegemm.jax.sharding.plans import Axes, KGroupedPlan, MGroupedPlan
 

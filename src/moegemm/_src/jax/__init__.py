@@ -1,0 +1,1 @@
+"""JAX launchers and custom_vjp ops (private)."""

@@ -1,0 +1,406 @@
+"""Launch descriptions of the FP8 kernels (quantize, scaled m- and k-grouped GEMMs) from JAX arrays.
+
+Each builder returns a ``KernelCall`` (``moegemm._src.jax.launch``) that both executors run: jax-triton on
+the GPU, the Triton interpreter in a ``pure_callback`` on CPU. As in the BF16 glue, sizes and strides
+go in as constexprs (jax-triton's runtime ints carry no divisibility facts), arrays are row-major and
+their strides come from their shapes. Kernel parameters are pointers in order, outputs last: a kernel
+pointer a launch never touches is filled with an input of the right type (named at each call).
+
+Storage (``moegemm._src.fp8`` has the recipes' scale layouts): activations' data [M, K], a blockwise
+activation scale [cdiv(K, 128), M] (M-major: the GEMM loads a tile's row scales as one vector),
+data_t [K, M_t]; a weight's data [G, N, K] and data_t [G, K, padded(N)] (the quantize kernels write
+each transposed row through its 16-aligned end; the GEMMs read [..., :N] through the row stride).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import triton
+
+from moegemm._src import configs, fp8
+from moegemm._src.jax.launch import KernelCall, Target, _offset_arg
+from moegemm._src.kernels import quantize_fp8 as qk
+from moegemm._src.kernels.k_grouped_fp8 import KGroupedFp8Launch, k_grouped_mm_fp8_kernel
+from moegemm._src.kernels.m_grouped_fp8 import MGroupedFp8Launch, m_grouped_mm_fp8_kernel
+
+
+def fp8_max(dtype) -> float:
+    return fp8.FP8_MAX[jnp.dtype(dtype).name]
+
+
+def _block_g(G: int) -> int:
+    return max(16, triton.next_power_of_2(G + 1))
+
+
+def _sizes_arg(group_sizes: jax.Array | None, x: jax.Array) -> jax.Array:
+    """The kernels' group_sizes_ptr: the sizes, or (uniform groups, never read) x filling the slot."""
+    return x if group_sizes is None else group_sizes
+
+
+def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
+
+
+def _quantize_config(target: Target) -> configs.QuantizeConfig:
+    return configs.pick_config("quantize_fp8", target.name)
+
+
+def group_amax_call(
+    x: jax.Array, group_sizes: jax.Array | None, G: int, rows_per_group: int, target: Target
+) -> KernelCall:
+    """amax [G] fp32 = max |x[rows(g)]| over the rows of x [R, C] (groups by group_sizes, or G uniform
+    groups of rows_per_group rows); the output starts zeroed (the kernel takes atomic maxima)."""
+    R, C = x.shape
+    config = _quantize_config(target)
+    block_r, block_c, chunks, warps, grid = qk.tiles_geometry(
+        R, C, G, qk.TENSOR, True, config, target.programs
+    )
+    meta = dict(
+        R=R,
+        C=C,
+        G=G,
+        rows_per_group=rows_per_group,
+        stride_xr=C,
+        stride_xc=1,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        CHUNKS=chunks,
+        BLOCK_G=_block_g(G),
+        HAS_SIZES=group_sizes is not None,
+        NUM_STAGES=config.num_stages,
+        num_warps=warps,
+    )
+    args = (x, _sizes_arg(group_sizes, x))
+    return KernelCall(qk.fp8_group_amax_kernel, grid, args, _sds((G,), jnp.float32), meta, {}, (0,))
+
+
+def quantize_tiles_call(
+    x: jax.Array,
+    group_sizes: jax.Array | None,
+    G: int,
+    rows_per_group: int,
+    *,
+    scaling: int,
+    write_q: bool,
+    dtype,
+    target: Target,
+    amax: jax.Array | None = None,
+    q: jax.Array | None = None,
+    s: jax.Array | None = None,
+    t_columns: int = 0,
+    t_local_n: int = 0,
+) -> KernelCall:
+    """One launch of fp8_quantize_tiles_kernel over x [R, C].
+
+    write_q: outputs (data [R, C], scale, two 1-element placeholders), the scale being [G] (TENSOR,
+    from ``amax``), [cdiv(C, 128), R] (BLOCK_1X128) or [G, cdiv(N, 128), cdiv(C, 128)] (BLOCK_128X128,
+    R = G * N). Otherwise the transposed copy: outputs (data_t as uint8, scale_t): activations
+    [C, t_columns] and [cdiv(R, 128) + G, C] (BLOCK_1X128; a placeholder otherwise); a weight
+    (``t_local_n`` = padded(N)) [G, C, t_local_n] and a placeholder. ``q`` and ``s`` (the write_q
+    launch's outputs) fill their pointers: the kernel takes the FP8 type from q and never writes them.
+    """
+    R, C = x.shape
+    config = _quantize_config(target)
+    block_r, block_c, chunks, warps, grid = qk.tiles_geometry(
+        R, C, G, scaling, write_q, config, target.programs
+    )
+    kb = fp8.cdiv(C, fp8.SCALE_BLOCK)
+    N = rows_per_group
+    if scaling == qk.TENSOR:
+        s_shape, s_strides = (G,), (1, 0, 0)
+    elif scaling == qk.BLOCK_1X128:
+        s_shape, s_strides = (kb, R), (0, 1, R)  # s[row, kb] at kb * R + row
+    else:
+        nb = fp8.cdiv(N, fp8.SCALE_BLOCK)
+        s_shape, s_strides = (G, nb, kb), (nb * kb, kb, 1)
+    t_local = t_local_n > 0
+    st_strides = (0, 0)
+    if write_q:
+        outs = (
+            _sds((R, C), dtype),
+            _sds(s_shape, jnp.float32),
+            _sds((1,), jnp.uint8),
+            _sds((1,), jnp.float32),
+        )
+        t_strides = (0, 0, 0)
+        args = (x, _sizes_arg(group_sizes, x), x if amax is None else amax)  # amax: read by TENSOR only
+    else:
+        if t_local:
+            qt = _sds((G, C, t_local_n), jnp.uint8)
+            t_strides = (C * t_local_n, t_local_n, 1)
+        else:
+            qt = _sds((C, t_columns), jnp.uint8)
+            t_strides = (0, t_columns, 1)
+        if scaling == qk.BLOCK_1X128:
+            st = _sds((fp8.cdiv(R, fp8.SCALE_BLOCK) + G, C), jnp.float32)
+            st_strides = (C, 1)
+        else:
+            st = _sds((1,), jnp.float32)
+        outs = (qt, st)
+        args = (x, _sizes_arg(group_sizes, x), x if amax is None else amax, q, s)
+    max_stride = max(C, t_local_n, t_columns, 1)
+    meta = dict(
+        R=R,
+        C=C,
+        G=G,
+        rows_per_group=rows_per_group,
+        stride_xr=C,
+        stride_xc=1,
+        stride_qr=C,
+        stride_qc=1,
+        stride_tg=t_strides[0],
+        stride_tc=t_strides[1],
+        stride_tr=t_strides[2],
+        stride_sg=s_strides[0],
+        stride_sr=s_strides[1],
+        stride_sc=s_strides[2],
+        stride_stb=st_strides[0],
+        stride_stc=st_strides[1],
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        CHUNKS=chunks,
+        BLOCK_G=_block_g(G),
+        HAS_SIZES=group_sizes is not None,
+        NUM_STAGES=config.num_stages,
+        SCALING=scaling,
+        WRITE_Q=write_q,
+        WRITE_T=not write_q,
+        T_GROUP_LOCAL=t_local,
+        FP8_MAX=fp8_max(dtype),
+        EMULATE_CAST=target.name == "interpret",
+        WIDE_OFFSETS=2 * max(block_r, block_c) * max_stride >= 2**31 or R * C >= 2**31,
+        num_warps=warps,
+    )
+    return KernelCall(qk.fp8_quantize_tiles_kernel, grid, args, outs, meta, {})
+
+
+def quantize_rows_call(
+    x: jax.Array, group_sizes: jax.Array | None, G: int, *, dtype, target: Target
+) -> KernelCall:
+    """Rowwise: (data [R, C], scale [R]) of x [R, C]; rows past the last group give 0 with scale 1."""
+    R, C = x.shape
+    config = _quantize_config(target)
+    rows = config.sweep_rows
+    meta = dict(
+        R=R,
+        C=C,
+        G=G,
+        stride_xr=C,
+        stride_xc=1,
+        stride_qr=C,
+        stride_qc=1,
+        stride_s=1,
+        BLOCK_R=rows,
+        BLOCK_C=config.sweep_cols,
+        BLOCK_G=_block_g(G),
+        HAS_SIZES=group_sizes is not None,
+        NUM_STAGES=config.sweep_stages,
+        FP8_MAX=fp8_max(dtype),
+        EMULATE_CAST=target.name == "interpret",
+        num_warps=config.num_warps,
+    )
+    outs = (_sds((R, C), dtype), _sds((R,), jnp.float32))
+    grid = (triton.cdiv(R, rows),)
+    return KernelCall(qk.fp8_quantize_rows_kernel, grid, (x, _sizes_arg(group_sizes, x)), outs, meta, {})
+
+
+def quantize_cols_call(
+    x: jax.Array,
+    group_sizes: jax.Array | None,
+    G: int,
+    rows_per_group: int,
+    *,
+    dtype,
+    target: Target,
+    t_columns: int = 0,
+    t_local_n: int = 0,
+) -> KernelCall:
+    """Rowwise transposed copy: (data_t as uint8, scale_t [G, C]), data_t [C, t_columns] for activations
+    or [G, C, t_local_n] for a weight (R = G * N rows, t_local_n = padded(N))."""
+    R, C = x.shape
+    config = _quantize_config(target)
+    if t_local_n:
+        qt, t_strides = _sds((G, C, t_local_n), jnp.uint8), (C * t_local_n, t_local_n, 1)
+    else:
+        qt, t_strides = _sds((C, t_columns), jnp.uint8), (0, t_columns, 1)
+    meta = dict(
+        R=R,
+        C=C,
+        G=G,
+        rows_per_group=rows_per_group,
+        stride_xr=C,
+        stride_xc=1,
+        stride_tg=t_strides[0],
+        stride_tc=t_strides[1],
+        stride_tr=t_strides[2],
+        stride_stg=C,
+        stride_stc=1,
+        BLOCK_R=config.col_rows,
+        BLOCK_C=config.col_block,
+        BLOCK_G=_block_g(G),
+        HAS_SIZES=group_sizes is not None,
+        NUM_STAGES=config.sweep_stages,
+        T_GROUP_LOCAL=t_local_n > 0,
+        FP8_MAX=fp8_max(dtype),
+        EMULATE_CAST=target.name == "interpret",
+        num_warps=4,
+    )
+    grid = (G * triton.cdiv(C, config.col_block),)
+    outs = (qt, _sds((G, C), jnp.float32))
+    return KernelCall(qk.fp8_quantize_cols_kernel, grid, (x, _sizes_arg(group_sizes, x)), outs, meta, {})
+
+
+# ---------------------------------------------------------------- GEMMs
+
+
+def _fp8_config(
+    op: str, recipe: str, dtype, M: int, N: int, K: int, G: int, target: Target, fast_accum: bool
+):
+    # The tuned cache keys and tables the PyTorch launches use (moegemm._src.fp8.config_op / config_dtype).
+    return configs.pick_config(
+        fp8.config_op(op, recipe, fast_accum),
+        target.name,
+        device_name=target.device_name,
+        dtype=fp8.config_dtype(recipe, jnp.dtype(dtype).name, fast_accum),
+        G=G,
+        N=N,
+        K=K,
+        M=M,
+    )
+
+
+def m_grouped_mm_fp8_call(
+    x: jax.Array,
+    sx: jax.Array,
+    w: jax.Array,
+    sw: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    recipe: str,
+    out_dtype,
+    target: Target,
+    w_row_stride: int | None = None,
+    group_offset: jax.Array | None = None,
+    fast_accum: bool = False,
+) -> KernelCall:
+    """out [M, N] = for g: (x * sx)[rows(g)] @ ((w * sw)[g, :N])^T, x [M, K] and w [G, N, >= K] fp8.
+
+    w_row_stride: the stride of w's rows when w is a transposed copy with padded rows ([G, N, Kp],
+    the first K columns read). With ``group_offset``, group_sizes covers G_total groups and w the G
+    local ones (rows of other groups come out 0); a tensorwise sx has one scale or one per group of
+    group_sizes.
+    """
+    M, K = x.shape
+    G, N = w.shape[0], w.shape[1]
+    kw = w.shape[2] if w_row_stride is None else w_row_stride
+    g_total = None if group_offset is None else group_sizes.shape[0]
+    config = _fp8_config("m_grouped_fp8", recipe, x.dtype, M, N, K, G, target, fast_accum)
+    launch = MGroupedFp8Launch.make(
+        M,
+        N,
+        K,
+        G,
+        recipe=recipe,
+        config=config,
+        num_programs_cap=target.programs,
+        interpret=target.name == "interpret",
+        max_stride=max(K, N, kw, 1),
+        has_bias=False,
+        fast_accum=fast_accum,
+        g_total=g_total,
+    )
+    if recipe == "tensorwise":
+        scale_strides = (1 if sx.size > 1 else 0, 0, 0, 1, 0, 0)
+    elif recipe == "rowwise":
+        scale_strides = (0, 1, 0, N, 1, 0)
+    else:  # sx [kb, M] M-major; sw [G, nb, kb]
+        nb, kb = sw.shape[1], sw.shape[2]
+        scale_strides = (0, 1, M, nb * kb, kb, 1)
+    names = ("stride_sxg", "stride_sxm", "stride_sxk", "stride_swg", "stride_swn", "stride_swk")
+    sizes = dict(
+        M=M,
+        N=N,
+        K=K,
+        G=G,
+        G_TOTAL=G if g_total is None else g_total,
+        stride_xm=K,
+        stride_xk=1,
+        stride_wg=N * kw,
+        stride_wn=kw,
+        stride_wk=1,
+        stride_om=N,
+        stride_on=1,
+        stride_bg=0,
+        stride_bn=0,
+        **dict(zip(names, scale_strides)),
+    )
+    # No bias (HAS_BIAS=False): the kernel never reads bias_ptr; sx fills the slot.
+    args = (x, w, sx, sw, group_sizes, _offset_arg(group_offset, group_sizes), sx)
+    out_shape = _sds((M, N), out_dtype)
+    return KernelCall(m_grouped_mm_fp8_kernel, launch.grid, args, out_shape, {**launch.meta, **sizes}, {})
+
+
+def k_grouped_mm_fp8_call(
+    M: int,
+    a_t: jax.Array,
+    sa: jax.Array,
+    b_t: jax.Array,
+    sb: jax.Array,
+    group_sizes: jax.Array,
+    c: jax.Array | None,
+    *,
+    recipe: str,
+    out_dtype,
+    target: Target,
+    group_offset: jax.Array | None = None,
+    num_groups: int | None = None,
+    fast_accum: bool = False,
+) -> KernelCall:
+    """out [G, Ka, Nb] = for g: (c[g] +) (a * sa)[rows(g)]^T @ (b * sb)[rows(g)] from the transposed
+    copies a_t [Ka, M_t], b_t [Nb, M_t] of activations with M rows; c, when given, is aliased to out.
+    With ``group_offset``, out holds the num_groups groups [offset, offset + num_groups)."""
+    K, M_t = a_t.shape
+    N = b_t.shape[0]
+    G_total = group_sizes.shape[0]
+    G = G_total if group_offset is None else num_groups
+    config = _fp8_config("k_grouped_fp8", recipe, a_t.dtype, M, N, K, G, target, fast_accum)
+    launch = KGroupedFp8Launch.make(
+        M,
+        N,
+        K,
+        G,
+        recipe=recipe,
+        config=config,
+        num_programs_cap=target.programs,
+        interpret=target.name == "interpret",
+        max_stride=max(M_t, K * N, 1),
+        accumulate=c is not None,
+        fast_accum=fast_accum,
+        g_total=None if group_offset is None else G_total,
+    )
+    # Scales of the wgrad operands: [G] (tensorwise), [G, K] (rowwise), [blocks, K] (blockwise).
+    scale_strides = lambda s: (1, 0) if s.ndim == 1 else (s.shape[1], 1)
+    sizes = dict(
+        M=M,
+        N=N,
+        K=K,
+        G=G,
+        G_TOTAL=G_total,
+        stride_ak=M_t,
+        stride_ar=1,
+        stride_bn=M_t,
+        stride_br=1,
+        stride_og=K * N,
+        stride_ok=N,
+        stride_on=1,
+    )
+    sizes |= dict(zip(("stride_sag", "stride_sak"), scale_strides(sa)))
+    sizes |= dict(zip(("stride_sbg", "stride_sbn"), scale_strides(sb)))
+    # Without accumulation the kernel never reads c_ptr; a_t fills the slot.
+    args = (a_t, b_t, sa, sb, group_sizes, _offset_arg(group_offset, group_sizes), a_t if c is None else c)
+    aliases = {} if c is None else {6: 0}
+    out_shape = _sds((G, K, N), out_dtype)
+    return KernelCall(
+        k_grouped_mm_fp8_kernel, launch.grid, args, out_shape, {**launch.meta, **sizes}, aliases
+    )

@@ -1,0 +1,419 @@
+"""FP8 quantize kernels (current scaling): ``data = cast(clamp(x / scale)), scale = amax / FP8_MAX``.
+
+The input is a matrix x [R, C] whose rows form groups: activations [M, K] split by device-side
+``group_sizes`` (HAS_SIZES), or a weight [G, N, K] seen as [G * N, K] with ``rows_per_group`` = N
+(the experts), or one group of all rows. Scale layouts per recipe are in ``moegemm._src.fp8``.
+
+Kernels (each reads x once, except where a scale needs the whole row or group before the first cast):
+
+- ``fp8_quantize_tiles_kernel``: blockwise. Group-aligned row tiles give the 1x128 row scales and
+  data (one launch, q_rows x 128 tiles), and the 128x1 column scales and data_t of the transposed copy
+  (a second launch, 128 x t_cols tiles: one kernel storing both miscompiles, see the kernel), or the
+  128x128 block scale (weights). ``tiles_geometry`` gives each launch's tiles and grid.
+  Also the cast pass of tensorwise, whose per-group amax ``fp8_group_amax_kernel`` computed first:
+  current scaling needs the amax of the whole group before the first element is cast.
+- ``fp8_quantize_rows_kernel``: rowwise, one scale per row, in two sweeps over each row (amax,
+  then cast); the second sweep reads the rows its program just read, from L2.
+- ``fp8_quantize_cols_kernel``: rowwise transposed copy, one scale per (group, column), the same
+  two sweeps over a group's rows.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from moegemm._src.fp8 import SCALE_BLOCK
+from moegemm._src.kernels.schedule import (
+    aligned_group_offsets,
+    group_row_bounds,
+    locate_row_tile,
+    pick,
+    row_tile_space,
+    uniform_row_bounds,
+)
+
+# Each group's columns in an activation's data_t start at a multiple of this (16 bytes of fp8), so the
+# wgrad kernel's loads along tokens are aligned; moegemm._src.fp8.transposed_columns sizes the storage.
+T_ALIGN = tl.constexpr(16)
+
+# SCALING of fp8_quantize_tiles_kernel.
+TENSOR, BLOCK_1X128, BLOCK_128X128 = 0, 1, 2
+
+
+def tile_shape(scaling: int, write_q: bool, config) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_C) of a fp8_quantize_tiles_kernel (or fp8_group_amax_kernel) launch for a
+    ``configs.QuantizeConfig``: a 128x128 weight block, else a q_rows x 128 data tile (write_q) or a
+    128 x t_cols transposed-copy tile."""
+    if scaling == BLOCK_128X128:
+        return SCALE_BLOCK, SCALE_BLOCK
+    return (config.q_rows, SCALE_BLOCK) if write_q else (SCALE_BLOCK, config.t_cols)
+
+
+def tiles_geometry(
+    R: int, C: int, G: int, scaling: int, write_q: bool, config, sms: int
+) -> tuple[int, int, int, int, tuple[int, int]]:
+    """(BLOCK_R, BLOCK_C, CHUNKS, num_warps, grid) of a fp8_quantize_tiles_kernel (or, with write_q and TENSOR,
+    fp8_group_amax_kernel) launch over x [R, C] in G groups, for a ``configs.QuantizeConfig``.
+
+    A data tile is q_rows x 128 (its rows' 1x128 scales), a transposed-copy tile 128 x t_cols (its
+    columns' group-aligned 128x1 scales), a 128x128 weight block one tile. Each program takes one row
+    tile and CHUNKS column tiles of it: the config's q_chunks (t_chunks), halved while that leaves
+    under 16 programs per SM (``sms``) so small problems still fill the GPU (a program's tiles run one
+    after another). The grid holds every row tile any group sizes can produce (each group adds at
+    most one partial tile, plus the tail slot's); the programs past the last one exit.
+    """
+    block_r, block_c = tile_shape(scaling, write_q, config)
+    if write_q or scaling == BLOCK_128X128:
+        chunks, warps = config.q_chunks, config.num_warps
+    else:
+        chunks, warps = config.t_chunks, config.t_warps
+    row_tiles, col_tiles = triton.cdiv(R, block_r) + G + 1, triton.cdiv(C, block_c)
+    while chunks > 1 and row_tiles * triton.cdiv(col_tiles, chunks) < 16 * sms:
+        chunks //= 2
+    return block_r, block_c, chunks, warps, (row_tiles, triton.cdiv(col_tiles, chunks))
+
+
+@triton.jit
+def _scale(amax, FP8_MAX: tl.constexpr):
+    """The dequantization factor of a block with this amax; a block of zeros gets 1 (never 0 or inf)."""
+    # div_rn: Triton's `/` on fp32 is div.full.f32 on NVIDIA GPUs (not correctly rounded), which made
+    # scales and data differ from the twin's IEEE division by an ulp here and there.
+    return tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+
+
+@triton.jit
+def _cast(x, scale, FP8_MAX: tl.constexpr, dtype: tl.constexpr, EMULATE_CAST: tl.constexpr):
+    """Round-to-nearest-even cast of x / scale, clamped to the format's range (x / scale may round
+    just past FP8_MAX; float8_e4m3fn has no inf)."""
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+    if EMULATE_CAST:
+        # The interpreter's float downcast rounds half up and drops the carry into the exponent
+        # (1.94 -> 1.0 in e4m3; triton/runtime/interpreter.py, _convert_float), so round to the FP8
+        # grid in fp32 first; the cast of a representable value is exact.
+        if FP8_MAX == 448.0:
+            q = _round_to_grid(q, 3, -6)  # float8_e4m3fn: 3 mantissa bits, min normal exponent -6
+        else:
+            q = _round_to_grid(q, 2, -14)  # float8_e5m2
+    return q.to(dtype)
+
+
+@triton.jit
+def _round_to_grid(v, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+    """v rounded to the nearest (ties to even) value with MANTISSA bits, subnormals below 2^MIN_EXP."""
+    exp = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    ulp = ((tl.maximum(exp, MIN_EXP) - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)
+    # Adding 1.5 * 2^23 leaves no fraction bits in fp32, so the add rounds |v / ulp| < 2^22 to an
+    # integer (ties to even); v / ulp and the product are exact (ulp is a power of two).
+    # On |v|, with the sign put back, so that a tiny negative value rounds to -0.0 as the hardware's does.
+    # (The sign bit is copied: Triton's -x is 0 - x, which turns -0.0 into +0.0.)
+    rounded = ((tl.abs(v) / ulp + 12582912.0) - 12582912.0) * ulp
+    sign = v.to(tl.int32, bitcast=True) & -(2**31)
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bounds(group_sizes_ptr, G, R, rows_per_group, BLOCK_G: tl.constexpr, HAS_SIZES: tl.constexpr):
+    if HAS_SIZES:
+        offs, starts, ends = group_row_bounds(group_sizes_ptr, G, R, BLOCK_G)
+        return offs.to(tl.int64), starts, ends
+    else:
+        return uniform_row_bounds(G, R, rows_per_group, BLOCK_G)
+
+
+@triton.jit
+def fp8_group_amax_kernel(
+    x_ptr,
+    group_sizes_ptr,
+    amax_ptr,  # [G] float32, zero-initialized; amax_ptr[g] = max |x[rows(g)]|
+    R,
+    C,
+    G,
+    rows_per_group,
+    stride_xr,
+    stride_xc,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HAS_SIZES: tl.constexpr,
+    NUM_STAGES: tl.constexpr,  # tl.range num_stages: cp.async stages where C and strides are 16-divisible (perf-notes 20)
+):
+    # Program (row tile, column segment), as fp8_quantize_tiles_kernel; one atomic per program.
+    row_tile = tl.program_id(0)
+    offs, starts, ends = _bounds(group_sizes_ptr, G, R, rows_per_group, BLOCK_G, HAS_SIZES)
+    starts, ends, m_tiles, tile_ends, total = row_tile_space(offs, starts, ends, G, R, 1, BLOCK_R)
+    g, _, _, row0, row_end, _ = locate_row_tile(
+        row_tile, offs, starts, ends, m_tiles, tile_ends, 1, BLOCK_R, 1
+    )
+    if row_tile < total and g < G:  # the tail slot's rows belong to no group
+        offs_r = tl.arange(0, BLOCK_R)
+        offs_c = tl.arange(0, BLOCK_C)
+        row_mask = offs_r < row_end - row0
+        amax = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+        first = tl.program_id(1) * CHUNKS
+        for c in tl.range(0, tl.minimum(CHUNKS, tl.cdiv(C, BLOCK_C) - first), num_stages=NUM_STAGES):
+            col0 = (first + c) * BLOCK_C
+            mask = row_mask[:, None] & (offs_c < C - col0)[None, :]
+            base = x_ptr + row0 * stride_xr + col0.to(tl.int64) * stride_xc
+            x = tl.load(
+                base + offs_r[:, None] * stride_xr + offs_c[None, :] * stride_xc, mask=mask, other=0.0
+            )
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        # max is exact and order-free: the atomics leave a deterministic result.
+        tl.atomic_max(amax_ptr + g, tl.max(tl.max(amax, 1), 0))
+
+
+@triton.jit
+def fp8_quantize_tiles_kernel(
+    x_ptr,
+    group_sizes_ptr,
+    amax_ptr,  # TENSOR: the [G] group amax from fp8_group_amax_kernel
+    q_ptr,
+    s_ptr,
+    qt_ptr,  # data_t as uint8
+    st_ptr,
+    R,
+    C,
+    G,
+    rows_per_group,
+    stride_xr,
+    stride_xc,
+    stride_qr,
+    stride_qc,
+    stride_tg,  # data_t of a weight: [G, C, N] (T_GROUP_LOCAL); activations: [C, >= R + 16 G], unused
+    stride_tc,
+    stride_tr,
+    stride_sg,  # TENSOR: scale[g]; BLOCK_128X128: scale[g, row block, col block]
+    stride_sr,  # BLOCK_1X128: scale[row, col block]
+    stride_sc,
+    stride_stb,  # BLOCK_1X128 transposed: scale_t[group-aligned row block, col]
+    stride_stc,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    CHUNKS: tl.constexpr,  # BLOCK_C-wide column tiles per program
+    BLOCK_G: tl.constexpr,
+    HAS_SIZES: tl.constexpr,
+    NUM_STAGES: tl.constexpr,  # tl.range num_stages: cp.async stages where C and strides are 16-divisible (perf-notes 20)
+    SCALING: tl.constexpr,
+    WRITE_Q: tl.constexpr,  # data and scale
+    WRITE_T: tl.constexpr,  # data_t and scale_t; never both in one launch (see below)
+    T_GROUP_LOCAL: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    EMULATE_CAST: tl.constexpr,  # interpreter only
+    WIDE_OFFSETS: tl.constexpr,
+):
+    # Program (row tile, column segment): one group-aligned BLOCK_R-row tile and CHUNKS column tiles,
+    # so the group bookkeeping (a few reductions over BLOCK_G lanes) is paid once per CHUNKS tiles,
+    # and a grid of every tile's program (an upper bound; the extra ones exit) keeps many small tiles
+    # in flight per SM: this kernel is bandwidth-bound, and a persistent loop of 128 x 128 tiles left
+    # it at 10-30% of HBM (perf-notes 18).
+    row_tile = tl.program_id(0)
+    offs, starts, ends = _bounds(group_sizes_ptr, G, R, rows_per_group, BLOCK_G, HAS_SIZES)
+    t_units = aligned_group_offsets(offs, starts, ends, G, T_ALIGN)
+    starts, ends, m_tiles, tile_ends, total = row_tile_space(offs, starts, ends, G, R, 1, BLOCK_R)
+    dtype = q_ptr.dtype.element_ty
+    # One launch stores data and scale (WRITE_Q), a second one the transposed copy (WRITE_T), each
+    # from its own read of x. In one launch the bundled ptxas (12.9) miscompiles the transposed store
+    # of FP8 values that are also stored untransposed: on the H100 a tensorwise data_t came out as
+    # foreign bytes, silently (three rewrites that kept both stores in one kernel each failed on other
+    # widths or input dtypes). https://github.com/triton-lang/triton/issues/11111: "needs both stores
+    # present", fixed by ptxas 13.3. The price is a second read of x (2 of 6 bytes per element).
+    if SCALING == 0 and WRITE_Q:
+        # Every group's scale, empty groups included (they have no tiles to write it).
+        if row_tile == 0 and tl.program_id(1) == 0:
+            amax = tl.load(amax_ptr + offs, mask=offs < G, other=0.0)
+            tl.store(s_ptr + offs * stride_sg, _scale(amax, FP8_MAX), mask=offs < G)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_c = tl.arange(0, BLOCK_C)
+    if WIDE_OFFSETS:
+        offs_r = offs_r.to(tl.int64)
+        offs_c = offs_c.to(tl.int64)
+    g, m_tile, _, row0, row_end, block_base = locate_row_tile(
+        row_tile, offs, starts, ends, m_tiles, tile_ends, 1, BLOCK_R, 1
+    )
+    first = tl.program_id(1) * CHUNKS
+    # Programs past the last row tile run no iteration.
+    last = tl.where(row_tile < total, tl.minimum(first + CHUNKS, tl.cdiv(C, BLOCK_C)), first)
+    rows = row_end - row0
+    row_mask = offs_r < rows
+    # The tail slot (g == G) reads nothing and writes zeros: rows past the last group are 0.
+    load_mask = offs_r < tl.where(g < G, rows, 0)
+    x_base = x_ptr + row0 * stride_xr + offs_r[:, None] * stride_xr
+    if SCALING == 0:
+        # Scalar masks are refused by triton 3.9's interpreter: load in bounds, then select.
+        scale = _scale(tl.where(g < G, tl.load(amax_ptr + tl.minimum(g, G - 1)), 0.0), FP8_MAX)
+    if WRITE_T:
+        # Group g's rows go to its own columns of data_t (group-local for a weight, from a
+        # T_ALIGN-aligned offset for activations); rows past the last group have no columns there.
+        t_col0 = (m_tile * BLOCK_R).to(tl.int64)
+        if T_GROUP_LOCAL:
+            t_base = qt_ptr + g.to(tl.int64) * stride_tg
+        else:
+            t_base = qt_ptr
+            t_col0 += pick(t_units, offs, g) * T_ALIGN
+        t_base += (t_col0 + offs_r[None, :]) * stride_tr
+        # Through the group's 16-aligned end: the padding columns get zeros (x was loaded as 0
+        # past the group), which the wgrad kernel's 16-wide loads read.
+        # (g < G folds into the bound: triton 3.9's interpreter refuses a scalar and-ed into a mask.)
+        t_row_mask = offs_r < tl.where(g < G, tl.cdiv(rows, T_ALIGN) * T_ALIGN, 0)
+    for c in tl.range(0, last - first, num_stages=NUM_STAGES):
+        n_tile = first + c  # a tensor in both modes (the interpreter's loop variable is an int)
+        col0 = (n_tile * BLOCK_C).to(tl.int64)
+        col_mask = offs_c < C - col0
+        x = tl.load(
+            x_base + (col0 + offs_c[None, :]) * stride_xc,
+            mask=load_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        if SCALING == 0:
+            q = _cast(x, scale, FP8_MAX, dtype, EMULATE_CAST)
+        elif SCALING == 1:
+            if WRITE_Q:
+                row_scale = _scale(tl.max(tl.abs(x), 1), FP8_MAX)  # [BLOCK_R]: 1x128 along C
+                q = _cast(x, row_scale[:, None], FP8_MAX, dtype, EMULATE_CAST)
+                s_ptrs = s_ptr + (row0 + offs_r) * stride_sr + n_tile.to(tl.int64) * stride_sc
+                tl.store(s_ptrs, row_scale, mask=row_mask)
+            else:
+                col_scale = _scale(tl.max(tl.abs(x), 0), FP8_MAX)  # [BLOCK_C]: 128x1 along R
+                q = _cast(x, col_scale[None, :], FP8_MAX, dtype, EMULATE_CAST)
+                st_ptrs = (
+                    st_ptr + (block_base + m_tile).to(tl.int64) * stride_stb + (col0 + offs_c) * stride_stc
+                )
+                tl.store(st_ptrs, col_scale, mask=offs_c < tl.where(g < G, C - col0, 0))
+        else:
+            block_scale = _scale(tl.max(tl.max(tl.abs(x), 1), 0), FP8_MAX)  # one per 128x128 block
+            q = _cast(x, block_scale, FP8_MAX, dtype, EMULATE_CAST)
+            s_off = (
+                g.to(tl.int64) * stride_sg + m_tile.to(tl.int64) * stride_sr + n_tile.to(tl.int64) * stride_sc
+            )
+            if WRITE_Q and g < G:
+                tl.store(s_ptr + s_off, block_scale)
+        if WRITE_Q:
+            q_ptrs = q_ptr + (row0 + offs_r[:, None]) * stride_qr + (col0 + offs_c[None, :]) * stride_qc
+            tl.store(q_ptrs, q, mask=row_mask[:, None] & col_mask[None, :])
+        if WRITE_T:
+            qt = tl.trans(q.to(tl.uint8, bitcast=True))
+            tl.store(
+                t_base + (col0 + offs_c[:, None]) * stride_tc,
+                qt,
+                mask=col_mask[:, None] & t_row_mask[None, :],
+            )
+
+
+@triton.jit
+def fp8_quantize_rows_kernel(
+    x_ptr,
+    group_sizes_ptr,
+    q_ptr,
+    s_ptr,  # [R]: one scale per row
+    R,
+    C,
+    G,
+    stride_xr,
+    stride_xc,
+    stride_qr,
+    stride_qc,
+    stride_s,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HAS_SIZES: tl.constexpr,
+    NUM_STAGES: tl.constexpr,  # tl.range num_stages: cp.async stages where C and strides are 16-divisible (perf-notes 20)
+    FP8_MAX: tl.constexpr,
+    EMULATE_CAST: tl.constexpr,  # interpreter only
+):
+    pid = tl.program_id(0)
+    owned = R
+    if HAS_SIZES:
+        offs, starts, ends = group_row_bounds(group_sizes_ptr, G, R, BLOCK_G)
+        owned = tl.max(tl.where(offs < G, ends, 0), 0)
+    rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < R
+    load_mask = rows < owned  # rows past the last group quantize to 0 (scale 1)
+    offs_c = tl.arange(0, BLOCK_C)
+    x_base = x_ptr + rows[:, None] * stride_xr
+    amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for c in tl.range(0, C, BLOCK_C, num_stages=NUM_STAGES):
+        mask = load_mask[:, None] & (offs_c < C - c)[None, :]
+        x = tl.load(x_base + (c + offs_c)[None, :] * stride_xc, mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), 1))
+    scale = _scale(amax, FP8_MAX)
+    tl.store(s_ptr + rows * stride_s, scale, mask=row_mask)
+    q_base = q_ptr + rows[:, None] * stride_qr
+    for c in tl.range(0, C, BLOCK_C, num_stages=NUM_STAGES):
+        col_mask = (offs_c < C - c)[None, :]
+        x = tl.load(x_base + (c + offs_c)[None, :] * stride_xc, mask=load_mask[:, None] & col_mask, other=0.0)
+        q = _cast(x.to(tl.float32), scale[:, None], FP8_MAX, q_ptr.dtype.element_ty, EMULATE_CAST)
+        tl.store(q_base + (c + offs_c)[None, :] * stride_qc, q, mask=row_mask[:, None] & col_mask)
+
+
+@triton.jit
+def fp8_quantize_cols_kernel(
+    x_ptr,
+    group_sizes_ptr,
+    qt_ptr,
+    st_ptr,  # [G, C]: one scale per (group, column)
+    R,
+    C,
+    G,
+    rows_per_group,
+    stride_xr,
+    stride_xc,
+    stride_tg,
+    stride_tc,
+    stride_tr,
+    stride_stg,
+    stride_stc,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HAS_SIZES: tl.constexpr,
+    NUM_STAGES: tl.constexpr,  # tl.range num_stages: cp.async stages where C and strides are 16-divisible (perf-notes 20)
+    T_GROUP_LOCAL: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    EMULATE_CAST: tl.constexpr,  # interpreter only
+):
+    # One program per (group, column tile).
+    fp8_type: tl.constexpr = tl.float8e4nv if FP8_MAX == 448.0 else tl.float8e5  # qt_ptr is uint8
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(C, BLOCK_C)
+    g = pid // n_tiles
+    col0 = (pid % n_tiles).to(tl.int64) * BLOCK_C
+    offs, starts, ends = _bounds(group_sizes_ptr, G, R, rows_per_group, BLOCK_G, HAS_SIZES)
+    start = pick(starts, offs, g)
+    end = pick(ends, offs, g)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_c = tl.arange(0, BLOCK_C)
+    col_mask = offs_c < C - col0
+    x_base = x_ptr + col0 * stride_xc + offs_c[None, :] * stride_xc
+    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for r in tl.range(start, end, BLOCK_R, num_stages=NUM_STAGES):
+        mask = (offs_r < end - r)[:, None] & col_mask[None, :]
+        x = tl.load(x_base + (r + offs_r)[:, None] * stride_xr, mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), 0))
+    scale = _scale(amax, FP8_MAX)
+    tl.store(st_ptr + g.to(tl.int64) * stride_stg + (col0 + offs_c) * stride_stc, scale, mask=col_mask)
+    # data_t as bytes (uint8): this kernel's transposed FP8 values are the only ones it stores, and its
+    # bytes came out right on the H100 for every width checked (scripts/check_fp8_quantize_bytes.py),
+    # whereas packing token pairs into 16-bit words did not (fp32 inputs, C a multiple of 16).
+    if T_GROUP_LOCAL:
+        t_base = qt_ptr + g.to(tl.int64) * stride_tg
+    else:
+        t_units = pick(aligned_group_offsets(offs, starts, ends, G, T_ALIGN), offs, g)
+        t_base = qt_ptr + t_units * T_ALIGN * stride_tr
+    t_base += (col0 + offs_c[:, None]) * stride_tc
+    # Through the group's 16-aligned end, zeros past it (see fp8_quantize_tiles_kernel).
+    t_end = start + tl.cdiv(end - start, T_ALIGN) * T_ALIGN
+    for r in tl.range(start, t_end, BLOCK_R, num_stages=NUM_STAGES):
+        x = tl.load(
+            x_base + (r + offs_r)[:, None] * stride_xr,
+            mask=(offs_r < end - r)[:, None] & col_mask[None, :],
+            other=0.0,
+        )
+        qt = _cast(x.to(tl.float32), scale[None, :], FP8_MAX, fp8_type, EMULATE_CAST)
+        tl.store(
+            t_base + (r - start + offs_r)[None, :] * stride_tr,
+            tl.trans(qt.to(tl.uint8, bitcast=True)),
+            mask=col_mask[:, None] & (offs_r < t_end - r)[None, :],
+        )

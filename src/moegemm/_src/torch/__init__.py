@@ -1,0 +1,1 @@
+"""PyTorch launchers and custom ops (private)."""

@@ -1,0 +1,434 @@
+"""FP8 kernel launches from PyTorch tensors (quantize, scaled m- and k-grouped GEMMs).
+
+Inputs are validated by ``moegemm.torch.fp8``; outputs are allocated there. Launch descriptions are
+memoized on static facts, and launches go through ``DirectLaunch`` like the BF16 kernels'.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+from moegemm._src import configs, fp8
+from moegemm._src.kernels import k_grouped_fp8_ws as k_ws
+from moegemm._src.kernels import m_grouped_fp8_ws as ws
+from moegemm._src.kernels import quantize_fp8 as qk
+from moegemm._src.kernels.k_grouped_fp8 import KGroupedFp8Launch, k_grouped_mm_fp8_kernel
+from moegemm._src.kernels.m_grouped_fp8 import MGroupedFp8Launch, m_grouped_mm_fp8_kernel
+from moegemm._src.torch.launch import INTERPRET, DirectLaunch, _dtype_name, _target, _ws_device
+
+M_GROUPED_FP8 = DirectLaunch(m_grouped_mm_fp8_kernel)
+M_GROUPED_FP8_WS = DirectLaunch(ws.m_grouped_mm_fp8_ws_kernel)
+# MOEGEMM_FP8_WS=0 runs every FP8 GEMM on the Triton kernels (the warp-specialized Gluon ones
+# otherwise take promoted-mode launches on sm90; benchmarks compare the two this way).
+FP8_WS = os.environ.get("MOEGEMM_FP8_WS", "1") != "0"
+K_GROUPED_FP8 = DirectLaunch(k_grouped_mm_fp8_kernel)
+K_GROUPED_FP8_WS = DirectLaunch(k_ws.k_grouped_mm_fp8_ws_kernel)
+GROUP_AMAX = DirectLaunch(qk.fp8_group_amax_kernel)
+QUANTIZE_TILES = DirectLaunch(qk.fp8_quantize_tiles_kernel)
+QUANTIZE_ROWS = DirectLaunch(qk.fp8_quantize_rows_kernel)
+QUANTIZE_COLS = DirectLaunch(qk.fp8_quantize_cols_kernel)
+LAUNCHES = (
+    M_GROUPED_FP8,
+    M_GROUPED_FP8_WS,
+    K_GROUPED_FP8,
+    K_GROUPED_FP8_WS,
+    GROUP_AMAX,
+    QUANTIZE_TILES,
+    QUANTIZE_ROWS,
+    QUANTIZE_COLS,
+)
+
+
+def clear_launch_cache() -> None:
+    _m_launch.cache_clear()
+    _m_ws_launch.cache_clear()
+    _ws_device.cache_clear()
+    _k_launch.cache_clear()
+    _k_ws_launch.cache_clear()
+    _quantize_config.cache_clear()
+    for launch in LAUNCHES:
+        launch.clear()
+
+
+fp8_op = fp8.config_op  # the config table and cache key rules both front ends share
+
+
+def fp8_key_dtype(recipe: str, dtype, fast_accum: bool) -> str:
+    return fp8.config_dtype(recipe, _dtype_name(dtype), fast_accum)
+
+
+@functools.lru_cache(maxsize=4096)
+def _m_launch(M, N, K, G, recipe, dtype, device, max_stride, has_bias, fast_accum) -> MGroupedFp8Launch:
+    target, device_name, programs = _target(device)
+    config = configs.pick_config(
+        fp8_op("m_grouped_fp8", recipe, fast_accum),
+        target,
+        device_name=device_name,
+        dtype=fp8_key_dtype(recipe, dtype, fast_accum),
+        G=G,
+        N=N,
+        K=K,
+        M=M,
+    )
+    return MGroupedFp8Launch.make(
+        M,
+        N,
+        K,
+        G,
+        recipe=recipe,
+        config=config,
+        num_programs_cap=programs,
+        interpret=target == "interpret",
+        max_stride=max_stride,
+        has_bias=has_bias,
+        fast_accum=fast_accum,
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _m_ws_launch(
+    M, N, K, G, recipe, dtype, device, max_stride, has_bias, fast_accum, x_strides, w_strides
+) -> ws.MGroupedFp8WsLaunch | None:
+    """The warp-specialized launch, or None where the Triton kernel runs: fast accumulation, a layout
+    16-byte cp.async cannot read (K-contiguous operands with 16-byte aligned row strides; fp8 storage
+    pads rows to 16, a foreign view may not), a problem or device the kernel does not take, or a shape
+    the config table keeps on the Triton kernel. Static facts only, so it is decided once per shape."""
+    promoted = recipe == "blockwise" or not fast_accum
+    if not (
+        promoted
+        and x_strides[1] == 1
+        and w_strides[2] == 1
+        and x_strides[0] % 16 == 0
+        and w_strides[0] % 16 == 0
+        and w_strides[1] % 16 == 0
+        and ws.supported_problem(K, False, max(abs(x_strides[0]), abs(w_strides[1])))
+        and _ws_device(device)
+    ):
+        return None
+    _, device_name, programs = _target(device)
+    dtype_key = fp8_key_dtype(recipe, dtype, fast_accum)
+    config = configs.pick_fp8_ws_config(
+        "m_grouped_fp8_ws", recipe=recipe, device_name=device_name, dtype=dtype_key, G=G, N=N, K=K, M=M
+    )
+    if config is None:
+        return None
+    return ws.MGroupedFp8WsLaunch.make(
+        M, N, K, G, recipe=recipe, config=config, num_programs_cap=programs, has_bias=has_bias
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _k_launch(M, N, K, G, recipe, dtype, device, max_stride, accumulate, fast_accum) -> KGroupedFp8Launch:
+    target, device_name, programs = _target(device)
+    config = configs.pick_config(
+        fp8_op("k_grouped_fp8", recipe, fast_accum),
+        target,
+        device_name=device_name,
+        dtype=fp8_key_dtype(recipe, dtype, fast_accum),
+        G=G,
+        N=N,
+        K=K,
+        M=M,
+    )
+    return KGroupedFp8Launch.make(
+        M,
+        N,
+        K,
+        G,
+        recipe=recipe,
+        config=config,
+        num_programs_cap=programs,
+        interpret=target == "interpret",
+        max_stride=max_stride,
+        accumulate=accumulate,
+        fast_accum=fast_accum,
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _k_ws_launch(
+    M, N, K, G, recipe, dtype, device, max_stride, accumulate, fast_accum, a_strides, b_strides, out_strides,
+    out_dtype,
+) -> k_ws.KGroupedFp8WsLaunch | None:  # fmt: skip
+    """The warp-specialized wgrad launch, or None where the Triton kernel runs: fast accumulation, a
+    layout 16-byte cp.async cannot read (token-contiguous transposed copies with 16-byte aligned rows;
+    ``moegemm._src.fp8`` storage has them, a foreign view may not), a problem or device the kernel does
+    not take, or a shape the config rule keeps on the Triton kernel. Static facts only, so it is
+    decided once per shape."""
+    promoted = recipe == "blockwise" or not fast_accum
+    out_span = (K - 1) * abs(out_strides[1]) + (N - 1) * abs(out_strides[2]) + 1
+    if not (
+        promoted
+        and a_strides[1] == 1
+        and b_strides[1] == 1
+        and k_ws.supported_problem(False, max(abs(a_strides[0]), abs(b_strides[0])), out_span)
+        and _ws_device(device)
+    ):
+        return None
+    _, device_name, programs = _target(device)
+    config = configs.pick_fp8_ws_config(
+        "k_grouped_fp8_ws",
+        recipe=recipe,
+        device_name=device_name,
+        dtype=fp8_key_dtype(recipe, dtype, fast_accum),
+        G=G,
+        N=N,
+        K=K,
+        M=M,
+        out_itemsize=out_dtype.itemsize,
+        accumulate=accumulate,
+    )
+    if config is None:
+        return None
+    return k_ws.KGroupedFp8WsLaunch.make(
+        M, N, K, G, recipe=recipe, config=config, num_programs_cap=programs, accumulate=accumulate
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _quantize_config(device: torch.device) -> tuple[configs.QuantizeConfig, int]:
+    target, _, sms = _target(device)
+    return configs.pick_config("quantize_fp8", target), sms
+
+
+def launch_m_grouped_fp8(x, sx, w, sw, group_sizes, out, bias, recipe: str, fast_accum: bool) -> None:
+    """out [M, N] = for g: (x * sx)[rows(g)] @ ((w * sw)[g])^T (+ bias[g]); x [M, K], w [G, N, K] fp8."""
+    M, K = x.shape
+    G, N, _ = w.shape
+    if M == 0 or N == 0:
+        return
+    sb = (0, 0) if bias is None else bias.stride()
+    strides = (*x.stride(), *w.stride(), *out.stride(), *sb)
+    spec = (M, N, K, G, recipe, x.dtype, x.device, max(map(abs, strides)), bias is not None, fast_accum)
+    # 16-byte cp.async also needs 16-byte aligned base pointers (the one dynamic fact).
+    ws_launch = (
+        _m_ws_launch(*spec, x.stride(), w.stride())
+        if FP8_WS and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+        else None
+    )
+    if ws_launch is not None:
+        M_GROUPED_FP8_WS.launch(
+            spec,
+            (x, w, sx, sw, group_sizes, sx if bias is None else bias, out),
+            (M, N, K, G, x.stride(0), *w.stride()[:2], *out.stride(), *sb, *_m_scale_strides(recipe, sx, sw)),
+            lambda: ws_launch,
+        )
+        return
+    M_GROUPED_FP8.launch(
+        spec,
+        # No group offset: group_sizes fills its slot, never read.
+        (x, w, sx, sw, group_sizes, group_sizes, sx if bias is None else bias, out),
+        (M, N, K, G, G, *strides, *_m_scale_strides(recipe, sx, sw)),
+        lambda: _m_launch(*spec),
+    )
+
+
+def launch_k_grouped_fp8(
+    M: int, a_t, sa, b_t, sb, group_sizes, out, accumulate: bool, recipe: str, fast_accum: bool
+) -> None:
+    """out [G, Ka, Nb] (+)= for g: (a * sa)[rows(g)]^T @ (b * sb)[rows(g)], from the transposed copies
+    a_t [Ka, M_t], b_t [Nb, M_t] (``moegemm._src.fp8`` layout) of activations with M rows."""
+    G, K, N = out.shape
+    if G == 0 or K == 0 or N == 0:
+        return
+    strides = (*a_t.stride(), *b_t.stride(), *out.stride())
+    spec = (M, N, K, G, recipe, a_t.dtype, a_t.device, max(map(abs, strides)), accumulate, fast_accum)
+    # 16-byte cp.async also needs 16-byte aligned base pointers (the one dynamic fact).
+    ws_launch = (
+        _k_ws_launch(*spec, a_t.stride(), b_t.stride(), out.stride(), out.dtype)
+        if FP8_WS and a_t.data_ptr() % 16 == 0 and b_t.data_ptr() % 16 == 0
+        else None
+    )
+    if ws_launch is not None:
+        K_GROUPED_FP8_WS.launch(
+            spec,
+            (a_t, b_t, sa, sb, group_sizes, out, out),
+            (
+                M,
+                N,
+                K,
+                G,
+                a_t.stride(0),
+                b_t.stride(0),
+                *out.stride(),
+                *_k_scale_strides(sa),
+                *_k_scale_strides(sb),
+            ),
+            lambda: ws_launch,
+        )
+        return
+    K_GROUPED_FP8.launch(
+        spec,
+        (a_t, b_t, sa, sb, group_sizes, group_sizes, out, out),
+        (M, N, K, G, G, *strides, *_k_scale_strides(sa), *_k_scale_strides(sb)),
+        lambda: _k_launch(*spec),
+    )
+
+
+def _m_scale_strides(recipe: str, sx: torch.Tensor, sw: torch.Tensor) -> tuple[int, ...]:
+    """(sx: group, row, k-block; sw: group, n, k-block) strides; a single tensorwise scale broadcasts."""
+    if recipe == "tensorwise":
+        return (sx.stride(0) if sx.numel() > 1 else 0, 0, 0, sw.stride(0), 0, 0)
+    if recipe == "rowwise":
+        return (0, sx.stride(0), 0, *sw.stride(), 0)
+    return (0, *sx.stride(), *sw.stride())
+
+
+def _k_scale_strides(s: torch.Tensor) -> tuple[int, int]:
+    """(group or token block, column) strides of a wgrad operand's scale_t ([G], [G, K] or [blocks, K])."""
+    return s.stride(0), (s.stride(1) if s.dim() > 1 else 0)
+
+
+def launch_quantize_fp8(
+    x: torch.Tensor,
+    group_sizes: torch.Tensor | None,
+    recipe: str,
+    q: torch.Tensor,
+    s: torch.Tensor,
+    qt: torch.Tensor | None,
+    st: torch.Tensor | None,
+    *,
+    rows_per_group: int,
+    G: int,
+) -> None:
+    """Quantizes the rows of x [R, C] (a weight passes [G * N, K] with rows_per_group = N and no
+    group_sizes) into q [R, C] and s, and, when qt is given, the transposed copy qt and st. Layouts
+    are ``moegemm._src.fp8``'s; a weight's qt is [G, C, N] (group-local), an activation's [C, M_t].
+    q and s None (rowwise, blockwise activations): the transposed copy alone (its own launch)."""
+    R, C = x.shape
+    if R == 0 or C == 0 or G == 0:
+        return
+    t_only = q is None
+    if t_only:  # placeholders for the skipped data launch's pointers (q's dtype is the cast's)
+        q, s = qt, st
+    config, sms = _quantize_config(x.device)
+    fp8_max = fp8.FP8_MAX[_dtype_name(q.dtype)]
+    has_sizes = group_sizes is not None
+    sizes = group_sizes if has_sizes else s  # an unread pointer when the groups are uniform
+    bg = max(16, triton.next_power_of_2(G + 1))
+    if recipe == "rowwise":
+        rows = config.sweep_rows
+        if not t_only:
+            QUANTIZE_ROWS.launch(
+                ("rows", x.device, R, C, G, has_sizes, fp8_max),
+                (x, sizes, q, s),
+                (R, C, G, *x.stride(), *q.stride(), s.stride(-1)),
+                lambda: _Grid(
+                    (triton.cdiv(R, rows),),
+                    dict(
+                        BLOCK_R=rows,
+                        BLOCK_C=config.sweep_cols,
+                        BLOCK_G=bg,
+                        HAS_SIZES=has_sizes,
+                        NUM_STAGES=config.sweep_stages,
+                        FP8_MAX=fp8_max,
+                        EMULATE_CAST=INTERPRET,
+                        num_warps=config.num_warps,
+                    ),
+                ),
+            )
+        if qt is not None:
+            t_strides = qt.stride() if qt.dim() == 3 else (0, *qt.stride())
+            QUANTIZE_COLS.launch(
+                ("cols", x.device, R, C, G, has_sizes, qt.dim(), fp8_max),
+                (x, sizes, qt.view(torch.uint8), st),
+                (R, C, G, rows_per_group, *x.stride(), *t_strides, *st.stride()),
+                lambda: _Grid(
+                    (G * triton.cdiv(C, config.col_block),),
+                    dict(
+                        BLOCK_R=config.col_rows,
+                        BLOCK_C=config.col_block,
+                        BLOCK_G=bg,
+                        HAS_SIZES=has_sizes,
+                        NUM_STAGES=config.sweep_stages,
+                        T_GROUP_LOCAL=qt.dim() == 3,
+                        FP8_MAX=fp8_max,
+                        EMULATE_CAST=INTERPRET,
+                        num_warps=4,
+                    ),
+                ),
+            )
+        return
+    if recipe == "blockwise":
+        scaling = qk.BLOCK_128X128 if s.dim() == 3 else qk.BLOCK_1X128
+    else:
+        scaling = qk.TENSOR
+        amax = torch.zeros(G, dtype=torch.float32, device=x.device)
+        GROUP_AMAX.launch(
+            ("amax", x.device, R, C, G, has_sizes),
+            (x, sizes, amax),
+            (R, C, G, rows_per_group, *x.stride()),
+            lambda: _tiles_grid(R, C, G, scaling, True, bg, has_sizes, config, sms),
+        )
+    write_t = qt is not None
+    t_local = write_t and qt.dim() == 3
+    if write_t:
+        qt8 = qt.view(torch.uint8)
+        t_strides = qt8.stride() if t_local else (0, *qt8.stride())
+    else:
+        qt8, st, t_strides = q.view(torch.uint8), s, (0, 0, 0)
+    # Scale strides by mode: TENSOR s[g]; BLOCK_1X128 s[row, kb] and st[blk, col]; BLOCK_128X128 s[g, nb, kb].
+    if scaling == qk.TENSOR:
+        s_strides, st_strides = (s.stride(0), 0, 0), (0, 0)
+    elif scaling == qk.BLOCK_1X128:
+        s_strides, st_strides = (0, *s.stride()), st.stride() if write_t else (0, 0)
+    else:
+        s_strides, st_strides = s.stride(), (0, 0)
+    max_stride = max(map(abs, (*x.stride(), *q.stride(), *t_strides)))
+    # data/scale and the transposed copy come from separate launches (fp8_quantize_tiles_kernel says why).
+    for write_q in (False,) if t_only else (True, False) if write_t else (True,):
+        # Offsets within a tile reach its widest side times the largest stride.
+        wide = 2 * max(qk.tile_shape(scaling, write_q, config)) * max_stride >= 2**31 or x.numel() >= 2**31
+        QUANTIZE_TILES.launch(
+            ("tiles", x.device, R, C, G, has_sizes, scaling, write_q, t_local, fp8_max, wide),
+            (x, sizes, amax if scaling == qk.TENSOR else s, q, s, qt8, st),
+            (R, C, G, rows_per_group, *x.stride(), *q.stride(), *t_strides, *s_strides, *st_strides),
+            lambda write_q=write_q, wide=wide: _tiles_grid(
+                R,
+                C,
+                G,
+                scaling,
+                write_q,
+                bg,
+                has_sizes,
+                config,
+                sms,
+                SCALING=scaling,
+                WRITE_Q=write_q,
+                WRITE_T=not write_q,
+                T_GROUP_LOCAL=t_local,
+                FP8_MAX=fp8_max,
+                EMULATE_CAST=INTERPRET,
+                WIDE_OFFSETS=wide,
+            ),
+        )
+
+
+def _tiles_grid(R, C, G, scaling, write_q, block_g, has_sizes, config, sms, **meta) -> _Grid:
+    """The launch description of the amax or a tile kernel: ``qk.tiles_geometry`` and the shared
+    meta-parameters, plus the tile kernel's own (``meta``). Built on a miss only (DirectLaunch)."""
+    block_r, block_c, chunks, warps, grid = qk.tiles_geometry(R, C, G, scaling, write_q, config, sms)
+    return _Grid(
+        grid,
+        dict(
+            BLOCK_R=block_r,
+            BLOCK_C=block_c,
+            CHUNKS=chunks,
+            BLOCK_G=block_g,
+            HAS_SIZES=has_sizes,
+            NUM_STAGES=config.num_stages,
+            num_warps=warps,
+            **meta,
+        ),
+    )
+
+
+class _Grid:
+    """A launch description (grid, meta) for DirectLaunch.describe."""
+
+    def __init__(self, grid: tuple[int, ...], meta: dict) -> None:
+        self.grid, self.meta = grid, meta

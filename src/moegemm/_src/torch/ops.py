@@ -1,0 +1,334 @@
+"""The PyTorch glue of the grouped GEMMs: one forward and one backward definition per op.
+
+Ops (torch.library, with fake impls; inputs are validated by ``moegemm.torch.api``)::
+
+    moegemm::m_grouped_mm      (x, w, group_sizes, bias?, backend) -> out                 grads: x, w, bias
+    moegemm::m_grouped_mm_out  (x, w, group_sizes, bias?, out, backend) -> ()            writes out
+    moegemm::k_grouped_mm      (a, b, group_sizes, out_dtype, colsum_dtype?, backend) -> (out, colsum)  grads: a, b
+    moegemm::k_grouped_mm_out  (a, b, group_sizes, out, accumulate, colsum_dtype?, backend) -> colsum   writes out
+
+m-grouped: ``out[rows(g)] = x[rows(g)] @ w[g] (+ bias[g])``, w [G, K, N]. k-grouped: ``out[g] (+)= a_g^T b_g``
+and, when colsum_dtype is given, ``colsum[g] = sum(a_g, 0)`` [G, K] from the same launch (with a = dy,
+the bias gradient); without it colsum is an empty tensor. colsum is never differentiable.
+
+How a call runs. Tracing (torch.compile, export, fake tensors) records the custom ops. Plain eager
+calls skip the dispatcher, whose Python cost (~55 us per call, ~125 us with autograd, on the CI CPU)
+is more than a small grouped GEMM takes on an H100: they call the forward definition directly, inside
+an autograd.Function when a gradient is needed. That Function and the op's registered autograd share
+one ``setup_context`` and one ``backward``, so the two routes cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moegemm._src.torch.launch import launch_k_grouped, launch_m_grouped
+from moegemm.torch import reference
+
+# Every output buffer comes from here, so tests can poison it with NaN (tests/conftest.py).
+empty = torch.empty
+
+# Plain tensors, and nn.Parameter (it adds no __torch_function__ behaviour): GroupedLinear passes its
+# weight and bias as they are. Subclasses (DTensor, FakeTensor, ...) take the custom-op path, whose
+# Python dispatch cost ~240 us per call on the H100 host when parameters went through it.
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _eager(*tensors: torch.Tensor | None) -> bool:
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    for t in tensors:  # a loop, not all(<generator>): this runs several times per layer call
+        if t is not None and type(t) not in _PLAIN_TENSOR_TYPES:
+            return False
+    return True
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+# ---------------------------------------------------------------- forward definitions
+
+
+def _m_grouped_forward(x, w, group_sizes, bias, backend, transpose_w=False, out=None):
+    """out [M, N] = for g: x[rows(g)] @ W[g] (+ bias[g]), W = w [G, K, N], or with ``transpose_w`` w
+    [G, N, K] read transposed (an nn.Linear weight as stored: its .mT view costs host time). Into
+    ``out`` when given."""
+    if backend == "reference":
+        result = reference.m_grouped_mm_reference(x, w.mT if transpose_w else w, group_sizes, bias)
+        return result if out is None else out.copy_(result)
+    if out is None:
+        out = empty(x.shape[0], w.shape[1 if transpose_w else 2], dtype=x.dtype, device=x.device)
+    launch_m_grouped(x, w, group_sizes, out, bias, transpose_w)
+    return out
+
+
+def _no_colsum(a: torch.Tensor) -> torch.Tensor:
+    """What the ops return for colsum when none was asked for (their schema has no optional outputs)."""
+    return a.new_empty(0)
+
+
+def _colsum_output(a: torch.Tensor, colsum: torch.Tensor | None) -> torch.Tensor:
+    return _no_colsum(a) if colsum is None else colsum
+
+
+def _k_grouped_forward(a, b, group_sizes, out, accumulate, colsum_dtype, backend, out_dtype=None):
+    """(out [G, K, N], colsum): out (+)= a_g^T b_g (a new ``out_dtype`` tensor when out is None),
+    colsum [G, K] = sum(a_g, 0) when colsum_dtype is given (else None)."""
+    G, K = group_sizes.shape[0], a.shape[1]
+    if backend == "reference":
+        if out is None:
+            out = reference.k_grouped_mm_reference(a, b, group_sizes, out_dtype=out_dtype)
+        else:
+            reference.k_grouped_mm_reference(a, b, group_sizes, out=out, accumulate=accumulate)
+        if colsum_dtype is None:
+            return out, None
+        return out, reference.grouped_column_sums(a, group_sizes, out_dtype=colsum_dtype)
+    if out is None:
+        out = empty(G, K, b.shape[1], dtype=out_dtype, device=a.device)
+    colsum = None if colsum_dtype is None else empty(G, K, dtype=colsum_dtype, device=a.device)
+    launch_k_grouped(a, b, group_sizes, out, accumulate, a_colsum=colsum)
+    return out, colsum
+
+
+# ---------------------------------------------------------------- custom ops (what tracing records)
+
+
+@torch.library.custom_op("moegemm::m_grouped_mm", mutates_args=())
+def m_grouped_mm_op(
+    x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, bias: torch.Tensor | None, backend: str
+) -> torch.Tensor:
+    return _m_grouped_forward(x, w, group_sizes, bias, backend)
+
+
+@m_grouped_mm_op.register_fake
+def _(x, w, group_sizes, bias, backend):
+    return x.new_empty(x.shape[0], w.shape[2])
+
+
+@torch.library.custom_op("moegemm::m_grouped_mm_out", mutates_args=("out",))
+def m_grouped_mm_out_op(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    group_sizes: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    backend: str,
+) -> None:
+    _m_grouped_forward(x, w, group_sizes, bias, backend, out=out)
+
+
+@m_grouped_mm_out_op.register_fake
+def _(x, w, group_sizes, bias, out, backend):
+    return None
+
+
+@torch.library.custom_op("moegemm::k_grouped_mm", mutates_args=())
+def k_grouped_mm_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group_sizes: torch.Tensor,
+    out_dtype: torch.dtype,
+    colsum_dtype: torch.dtype | None,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, colsum = _k_grouped_forward(a, b, group_sizes, None, False, colsum_dtype, backend, out_dtype)
+    return out, _colsum_output(a, colsum)
+
+
+def _fake_colsum(a, group_sizes, colsum_dtype):
+    return (
+        _no_colsum(a)
+        if colsum_dtype is None
+        else a.new_empty(group_sizes.shape[0], a.shape[1], dtype=colsum_dtype)
+    )
+
+
+@k_grouped_mm_op.register_fake
+def _(a, b, group_sizes, out_dtype, colsum_dtype, backend):
+    out = a.new_empty(group_sizes.shape[0], a.shape[1], b.shape[1], dtype=out_dtype)
+    return out, _fake_colsum(a, group_sizes, colsum_dtype)
+
+
+@torch.library.custom_op("moegemm::k_grouped_mm_out", mutates_args=("out",))
+def k_grouped_mm_out_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group_sizes: torch.Tensor,
+    out: torch.Tensor,
+    accumulate: bool,
+    colsum_dtype: torch.dtype | None,
+    backend: str,
+) -> torch.Tensor:
+    return _colsum_output(a, _k_grouped_forward(a, b, group_sizes, out, accumulate, colsum_dtype, backend)[1])
+
+
+@k_grouped_mm_out_op.register_fake
+def _(a, b, group_sizes, out, accumulate, colsum_dtype, backend):
+    return _fake_colsum(a, group_sizes, colsum_dtype)
+
+
+# ---------------------------------------------------------------- backward definitions
+
+
+def _m_grouped_setup(ctx, inputs, output):
+    x, w, group_sizes, bias, backend = inputs
+    ctx.save_for_backward(x, w, group_sizes)
+    ctx.backend = backend
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _m_grouped_backward(ctx, grad_out):
+    """dx = dy @ w[g]^T, and dw, dbias from weight_grads."""
+    x, w, group_sizes = ctx.saved_tensors
+    need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
+    grad_x = m_grouped(grad_out, w, group_sizes, None, ctx.backend, transpose_w=True) if need_x else None
+    # An nn.Linear weight [G, N, K] passed as w.mT: its gradient is produced in that storage layout (no
+    # transposed copy reaches the weight), and the bias gradient comes from the same launch.
+    linear_layout = w.stride(1) == 1 and w.stride(2) != 1
+    grad_w, grad_b = weight_grads(
+        x,
+        grad_out,
+        group_sizes,
+        ctx.backend,
+        w_dtype=w.dtype,
+        need_w=need_w,
+        bias_dtype=ctx.bias_dtype if need_b else None,
+        linear_layout=linear_layout,
+    )
+    if grad_w is not None and linear_layout:
+        grad_w = grad_w.mT
+    return grad_x, grad_w, None, grad_b, None
+
+
+def _k_grouped_setup(ctx, inputs, output):
+    a, b, group_sizes = inputs[:3]
+    ctx.save_for_backward(a, b, group_sizes)
+    ctx.backend = inputs[-1]
+    ctx.mark_non_differentiable(output[1])
+
+
+def _k_grouped_backward(ctx, grad_out, _grad_colsum):
+    """out[g] = a_g^T b_g  =>  da_g = b_g dout[g]^T,  db_g = a_g dout[g]."""
+    a, b, group_sizes = ctx.saved_tensors
+    need_a, need_b = ctx.needs_input_grad[:2]
+    grad_a = (
+        m_grouped(b, grad_out.to(b.dtype), group_sizes, None, ctx.backend, transpose_w=True)
+        if need_a
+        else None
+    )
+    grad_b = m_grouped(a, grad_out.to(a.dtype), group_sizes, None, ctx.backend) if need_b else None
+    return grad_a, grad_b, None, None, None, None
+
+
+m_grouped_mm_op.register_autograd(_m_grouped_backward, setup_context=_m_grouped_setup)
+k_grouped_mm_op.register_autograd(_k_grouped_backward, setup_context=_k_grouped_setup)
+
+
+class _MGroupedFunction(torch.autograd.Function):
+    """Eager twin of moegemm::m_grouped_mm's autograd: the same setup_context and backward."""
+
+    @staticmethod
+    def forward(x, w, group_sizes, bias, backend):
+        return _m_grouped_forward(x, w, group_sizes, bias, backend)
+
+    setup_context = staticmethod(_m_grouped_setup)
+    backward = staticmethod(_m_grouped_backward)
+
+
+class _KGroupedFunction(torch.autograd.Function):
+    """Eager twin of moegemm::k_grouped_mm's autograd: the same setup_context and backward."""
+
+    @staticmethod
+    def forward(a, b, group_sizes, out_dtype, colsum_dtype, backend):
+        out, colsum = _k_grouped_forward(a, b, group_sizes, None, False, colsum_dtype, backend, out_dtype)
+        return out, _colsum_output(a, colsum)
+
+    setup_context = staticmethod(_k_grouped_setup)
+    backward = staticmethod(_k_grouped_backward)
+
+
+# ---------------------------------------------------------------- entry points (api.py, GroupedLinear)
+
+
+def m_grouped(x, w, group_sizes, bias, backend: str, transpose_w: bool = False) -> torch.Tensor:
+    """out [M, N] = for g: x[rows(g)] @ W[g] (+ bias[g]); W = w, or w.mT with ``transpose_w``
+    (differentiable in x, w and bias)."""
+    if not _eager(x, w, group_sizes, bias):
+        return m_grouped_mm_op(x, w.mT if transpose_w else w, group_sizes, bias, backend)
+    if _needs_grad(x, w, bias):
+        return _MGroupedFunction.apply(x, w.mT if transpose_w else w, group_sizes, bias, backend)
+    return _m_grouped_forward(x, w, group_sizes, bias, backend, transpose_w)
+
+
+def m_grouped_out(x, w, group_sizes, bias, out, backend: str, transpose_w: bool = False) -> None:
+    """m_grouped into ``out`` [M, N] (not differentiable: GroupedLinear records its own autograd)."""
+    if not _eager(x, w, group_sizes, bias, out):
+        m_grouped_mm_out_op(x, w.mT if transpose_w else w, group_sizes, bias, out, backend)
+    else:
+        _m_grouped_forward(x, w, group_sizes, bias, backend, transpose_w, out=out)
+
+
+def k_grouped(
+    a, b, group_sizes, out_dtype: torch.dtype, backend: str, colsum_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out [G, K, N] = for g: a_g^T b_g, differentiable in a and b; colsum [G, K] = sum(a_g, 0) or None)."""
+    if not _eager(a, b, group_sizes):
+        out, colsum = k_grouped_mm_op(a, b, group_sizes, out_dtype, colsum_dtype, backend)
+    elif _needs_grad(a, b):
+        out, colsum = _KGroupedFunction.apply(a, b, group_sizes, out_dtype, colsum_dtype, backend)
+    else:
+        out, colsum = _k_grouped_forward(a, b, group_sizes, None, False, colsum_dtype, backend, out_dtype)
+    return out, None if colsum_dtype is None else colsum
+
+
+def k_grouped_out(
+    a, b, group_sizes, out, accumulate: bool, backend: str, colsum_dtype: torch.dtype | None = None
+) -> torch.Tensor | None:
+    """out[g] (+)= a_g^T b_g in place (not differentiable); returns colsum [G, K] = sum(a_g, 0) or None."""
+    if not _eager(a, b, group_sizes, out):
+        colsum = k_grouped_mm_out_op(a, b, group_sizes, out, accumulate, colsum_dtype, backend)
+    else:
+        colsum = _k_grouped_forward(a, b, group_sizes, out, accumulate, colsum_dtype, backend)[1]
+    return None if colsum_dtype is None else colsum
+
+
+def grouped_column_sums(t, group_sizes, out_dtype, backend: str) -> torch.Tensor:
+    """[G, N]: for g: sum(t[rows(g)], 0), alone (a bias gradient without the weight's): one k-grouped
+    launch over a stride-0 ones column, so no [M] buffer of ones is allocated."""
+    ones = t.new_ones(1).expand(t.shape[0], 1)
+    return k_grouped(ones, t, group_sizes, out_dtype, backend)[0].squeeze(1)
+
+
+def weight_grads(
+    x,
+    dy,
+    group_sizes,
+    backend: str,
+    *,
+    w_dtype: torch.dtype,
+    need_w: bool,
+    bias_dtype: torch.dtype | None,
+    linear_layout: bool = True,
+    main_grad: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dW, dbias) of y[rows(g)] = x[rows(g)] @ W[g] (+ bias[g]), each only if asked (need_w; bias_dtype
+    not None). dW[g] = dy_g^T x_g in the [G, N, K] layout of an nn.Linear weight (``linear_layout``;
+    dbias = column sums of dy then come from the same launch), else x_g^T dy_g [G, K, N]. With
+    ``main_grad`` (fp32 [G, N, K], linear layout) dW is accumulated into it and None is returned.
+    The one weight-gradient definition: the ops' backward and GroupedLinear's (delayed or not) call it.
+
+    The fused column sums are not differentiable, so a backward that is itself recorded (create_graph)
+    takes dbias from its own differentiable launch instead.
+    """
+    if not need_w:
+        return None, None if bias_dtype is None else grouped_column_sums(dy, group_sizes, bias_dtype, backend)
+    if main_grad is not None:
+        return None, k_grouped_out(dy, x, group_sizes, main_grad, True, backend, bias_dtype)
+    if linear_layout and (bias_dtype is None or not torch.is_grad_enabled()):
+        return k_grouped(dy, x, group_sizes, w_dtype, backend, bias_dtype)
+    if linear_layout:
+        grad_w = k_grouped(dy, x, group_sizes, w_dtype, backend)[0]
+        return grad_w, grouped_column_sums(dy, group_sizes, bias_dtype, backend)
+    grad_w = k_grouped(x, dy, group_sizes, w_dtype, backend)[0]
+    return grad_w, None if bias_dtype is None else grouped_column_sums(dy, group_sizes, bias_dtype, backend)
