@@ -14,7 +14,8 @@ from moegemm import shapes
 from moegemm._src import configs, cost_model
 from moegemm.bench import fit_model
 
-RESULTS = Path(__file__).parent.parent / "benchmarks" / "results"
+# The cost model's calibration records: the tune runs it was fitted to (its "sources").
+RESULTS = Path(__file__).parent.parent / "benchmarks" / "calibration"
 # The records the committed model was fitted to (its "sources").
 SOURCES = [RESULTS / name for name in json.loads(cost_model.model_path("sm90").read_text())["sources"]]
 H100 = "NVIDIA H100 80GB HBM3"
