@@ -6,8 +6,8 @@
 Tokens already routed and sorted: up-projection, SiLU, down-projection, with skewed (Zipf-like)
 group sizes. Variants: moegemm's sharded ragged_dot (Triton kernels on GPU, the jnp reference on
 CPU) and XLA's own partitioning of jax.lax.ragged_dot, on one device, with EP over all devices and
-the tokens replicated, and with the tokens sharded over ep too. Prints a table; writes it, with the
-device and versions, as JSON to --out. The rules' correctness on real GPUs is tested in
+the tokens replicated, and with the tokens sharded over ep too (``--fp8 RECIPE``: moegemm's in FP8,
+the same rules). Prints a table; writes it, with the device and versions, as JSON to --out. The rules' correctness on real GPUs is tested in
 tests/test_jax_sharding_gpu.py (pytest -m gpu). A committed run: benchmarks/results/sharding-2x-*.json.
 
 Importing this module has no side effects; ``--cpu-smoke`` configures JAX in ``main`` before any
@@ -42,6 +42,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--d-ff", type=int, default=1408, help="expert hidden size")
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument(
+        "--fp8",
+        choices=("tensorwise", "rowwise", "blockwise"),
+        help="moegemm's variants in FP8 with this recipe (sharding.ragged_dot(..., fp8_recipe=...))",
+    )
     p.add_argument("--iters", type=int, default=20)
     p.add_argument(
         "--xla-iters", type=int, default=3, help="iterations for XLA's ragged_dot (10-100x slower)"
@@ -172,7 +177,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"needs 2-4 devices, found {len(jax.devices())} ({jax.devices()})")
     backend = "triton" if jax.default_backend() == "gpu" else "reference"
     resolve_backend(backend)  # raises with the reason if the Triton path cannot run here
-    ops = msh.moegemm_local_ops(backend)
+    ops = msh.moegemm_local_ops(backend, fp8_recipe=args.fp8)
     report = {
         "device": str(jax.devices()[0].device_kind),
         "num_devices": n,

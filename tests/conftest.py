@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from moegemm._src import plan  # noqa: E402
 from moegemm._src.torch import ops as _ops  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -36,6 +37,15 @@ def poison_outputs(monkeypatch):
     monkeypatch.setattr(_ops, "empty", _nan_empty)
 
 
+@pytest.fixture(autouse=True)
+def unconstrained_plan():
+    """Each test starts from the planner's rules alone; constraints a test sets (``plan.constrain``) end
+    with it."""
+    plan.reset()
+    yield
+    plan.reset()
+
+
 @pytest.fixture
 def device() -> str:
     return DEVICE
@@ -50,28 +60,30 @@ def spy_store_paths(monkeypatch, op: str) -> list[tuple[str, tuple]]:
 
     from moegemm._src import configs
     from moegemm._src.kernels import k_grouped, m_grouped
-    from moegemm._src.torch import launch as _launch
 
-    monkeypatch.setattr(_launch, "TMA_STORE", True)
-    monkeypatch.setattr(_launch, "TMA_STORE_MIN_FLOPS", 0)  # the tests' problems are tiny
     fits = {
         "m_grouped": lambda c: m_grouped.tma_store_fits(c, 2),
         "k_grouped": lambda c: k_grouped.tma_store_fits(c, 2),
     }[op]
     step = "block_k" if op == "m_grouped" else "block_r"
-    inner = configs.pick_config
 
-    def pick(kind, target, **kw):
-        config = inner(kind, target, **kw)
+    def pick(kind, problem, target, config):
         if kind == op and not fits(config):
-            config = configs.candidates(kind, target)[0]
-            if kw.get("dtype") == "float32":  # as pick_config: 4-byte operands take half the step
+            config = configs.candidates(kind, target.name)[0]
+            if problem.dtype == "float32":  # as pick_config: 4-byte operands take half the step
                 config = dataclasses.replace(config, **{step: getattr(config, step) // 2})
         return config
 
-    monkeypatch.setattr(configs, "pick_config", pick)
-    _launch.clear_launch_cache()
+    # The tests' problems are tiny: the store at any size.
+    plan.constrain(tma_store=True, tma_store_min_flops=0, config=then(plan.active().config, pick))
     return record_launches(monkeypatch, op)
+
+
+def then(first, second):
+    """Constraints.config: ``second`` applied to what ``first`` (None: the pick itself) gives."""
+    if first is None:
+        return second
+    return lambda op, problem, target, config: second(op, problem, target, first(op, problem, target, config))
 
 
 def record_launches(monkeypatch, op: str) -> list[tuple[str, tuple]]:
@@ -101,14 +113,7 @@ def flat_configs(monkeypatch, tma_load: bool = False) -> None:
     with config.tma_load as given."""
     import dataclasses
 
-    from moegemm._src import configs
-    from moegemm._src.torch import launch as _launch
-
-    inner = configs.pick_config
-
-    def pick(op, target, **kw):
-        config = inner(op, target, **kw)
+    def flat(op, problem, target, config):
         return dataclasses.replace(config, flat=True, tma_load=tma_load) if op == "k_grouped" else config
 
-    monkeypatch.setattr(configs, "pick_config", pick)
-    _launch.clear_launch_cache()
+    plan.constrain(config=then(plan.active().config, flat))

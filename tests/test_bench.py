@@ -1,8 +1,10 @@
-"""The benchmark harness on CPU: the CLI end to end on a TINY case, the roofline, the splits, tuning."""
+"""The benchmark harness on CPU: the CLI end to end on a TINY case (the CPU job checks correctness and
+times nothing), the roofline, the splits, the results layout, tuning."""
 
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,21 +145,43 @@ def test_chunked_relerr_matches_testing_relerr(monkeypatch):
 # ---------------------------------------------------------------- the CLI end to end
 
 
+# Text that only means something on a GPU: none of it may appear in the CPU job's output.
+PERFORMANCE_WORDS = ("TF/s", "floor", "geomean", "vs torch", "speedup", " ms ", "paired")
+
+
 @interpreter_suite
-def test_cli_tiny_case_json_schema_and_check(tmp_path):
+def test_cli_cpu_job_checks_correctness_and_times_nothing(tmp_path, capsys):
+    """Without a GPU the main job says first that interpreter timings are not performance, checks every
+    (case, op, impl) against the oracle, and prints and records no time, TF/s, ratio or roofline floor."""
     out = tmp_path / "r.json"
     impls = "moegemm,torch._grouped_mm,loop-torch.mm,dense-cublas"
-    argv = ["--cases", "tiny-qwen3-fc2", "--ops", "fwd,wgrad", "--impls", impls, "--quick", "--out", str(out)]
+    argv = ["--cases", "tiny-qwen3-fc2", "--ops", "fwd,wgrad", "--impls", impls, "--out", str(out)]
     assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0] == report.CPU_NOTICE.splitlines()[0]
+    assert "not performance" in text.splitlines()[0]
+    assert "correctness PASS: 8/8" in text and "relerr" in text
+    printed = text.split("\n", 2)[2]  # after the notice, which names what is left out
+    assert not [w for w in PERFORMANCE_WORDS if w in printed], printed
     data = json.loads(out.read_text())
     assert set(data) == {"meta", "records"}
     meta, records = data["meta"], data["records"]
+    assert (
+        meta["mode"] == "correctness" and meta["performance"] is False and meta["notice"] == report.CPU_NOTICE
+    )
+    assert meta["timing"] is None and meta["roofline"] is None and meta["summary"] is None
+    assert meta["paired"] is False and meta["correctness"] == {
+        "checked": 8,
+        "passed": 8,
+        "failed": 0,
+        "skipped": 0,
+        "failures": [],
+    }
     assert (
         meta["device"].startswith("cpu")
         and meta["torch"] == torch.__version__
         and meta["ops"] == ["fwd", "wgrad"]
     )
-    assert "perf_counter" in meta["timing"] and meta["summary"]["case_ops"] == 2 and meta["partial"] is False
     assert {(r["op"], r["impl"]) for r in records} == {
         (op, impl)
         for op in ("fwd", "wgrad")
@@ -167,20 +191,78 @@ def test_cli_tiny_case_json_schema_and_check(tmp_path):
         assert list(r)[: len(report.RECORD_FIELDS)] == list(report.RECORD_FIELDS)
         assert r["status"] == "ok", r
         assert 0 <= r["relerr"] <= r["tol"] == testing.REL_TOL[torch.bfloat16]
-        assert (
-            r["ms"] > 0
-            and r["tflops"] > 0
-            and r["pct_floor"] == pytest.approx(100 * r["tflops"] / r["floor_tflops"])
-        )
+        assert r["ms"] is r["tflops"] is r["floor_tflops"] is r["pct_floor"] is r["vs_torch"] is None
+        assert r["speedup"] == {} and "paired_ms" not in r
         assert (r["G"], r["M"], r["K"], r["N"], r["split"]) == (16, 128, 48, 64, "dirichlet")
     moe = next(r for r in records if r["impl"] == "moegemm" and r["op"] == "fwd")
-    assert moe["backend"] == "interpret" and moe["vs_torch"] == pytest.approx(
-        moe["speedup"]["torch._grouped_mm"]
-    )
+    assert moe["backend"] == "interpret"
     # The tile config moegemm's launcher picked is recorded, with the cache key --tune would write.
     assert moe["config"] == dataclasses.asdict(configs.candidates("m_grouped", "interpret")[0])
     assert moe["cache_key"] == configs.cache_key("m_grouped", "bfloat16", 16, 64, 48, 128)
-    assert out.with_suffix(".png").stat().st_size > 1000
+    assert not out.with_suffix(".png").exists()  # a TF/s plot: GPU runs only
+
+
+@interpreter_suite
+def test_cli_cpu_job_fails_on_a_wrong_impl(tmp_path, capsys, monkeypatch):
+    """A deliberately wrong impl (its biggest group's rows zeroed) fails its check, the job says so and
+    exits 1; the right impls beside it still pass."""
+    registry.load_impls()
+    loop = registry.REGISTRY["loop-torch.mm"]
+
+    def drops_biggest_group(problem, op):
+        fn = loop.prepare(problem, op)
+        s, e = max(problem.bounds, key=lambda b: b[1] - b[0])
+        return lambda: fn().index_fill_(0, torch.arange(s, e), 0.0)
+
+    monkeypatch.setitem(registry.REGISTRY, "wrong", registry.Impl("wrong", ("fwd",), drops_biggest_group))
+    out = tmp_path / "r.json"
+    argv = ["--cases", "tiny-odd", "--ops", "fwd", "--impls", "loop-torch.mm,wrong", "--out", str(out)]
+    assert cli.main(argv) == 1
+    text = capsys.readouterr().out
+    assert "correctness FAIL: 1/2" in text and "failed: tiny-odd fwd wrong: relerr" in text
+    correctness = json.loads(out.read_text())["meta"]["correctness"]
+    assert correctness["failed"] == 1 and correctness["passed"] == 1
+    assert correctness["failures"][0].startswith("tiny-odd fwd wrong: relerr")
+
+
+@interpreter_suite
+def test_cli_fp8_cpu_job_checks_and_times_nothing(tmp_path, capsys):
+    """--fp8 without a GPU: moegemm's FP8 GEMM checked under the interpreter, no peer, time or floor."""
+    out = tmp_path / "fp8.json"
+    argv = ["--fp8", "--cases", "tiny-qwen3-fc2", "--ops", "wgrad", "--fp8-recipes", "tensorwise"]
+    assert cli.main([*argv, "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0] == report.CPU_NOTICE.splitlines()[0] and "correctness PASS: 1/1" in text
+    assert not [w for w in PERFORMANCE_WORDS if w in text.split("\n", 2)[2]]
+    data = json.loads(out.read_text())
+    assert data["meta"]["performance"] is False and data["failed"] == 0
+    (row,) = data["rows"]
+    assert row["impl"] == "moegemm-fp8" and row["ms"] is None and row["relerr"] < 1e-3
+
+
+def test_results_layout_one_canonical_file_per_benchmark_and_device():
+    """GPU runs overwrite benchmarks/results/<device>/<benchmark>.json; CPU runs land in cpu-*, which
+    .gitignore covers."""
+    assert report.results_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100"
+    assert report.results_slug("NVIDIA H200") == "nvidia-h200"
+    assert report.results_slug("NVIDIA H100 PCIe") == "nvidia-h100-pcie"
+    assert report.results_slug(_env().device).startswith("cpu-")
+    assert (
+        report.default_out("NVIDIA H100 80GB HBM3", "bf16").as_posix()
+        == "benchmarks/results/nvidia-h100/bf16.json"
+    )
+    name = report.bf16_benchmark_name
+    assert name("bf16", "dirichlet", ["moegemm", "torch._grouped_mm"], jagged=False, tune=False) == "bf16"
+    assert (
+        name("bf16", "balanced", ["moegemm", "torch._grouped_mm"], jagged=False, tune=False)
+        == "bf16-balanced"
+    )
+    assert name("bf16", "dirichlet", ["moegemm", "moegemm-jax"], jagged=False, tune=False) == "jax"
+    assert name("bf16", "dirichlet", None, jagged=False, tune=False) == "bf16"  # every impl: the BF16 run
+    assert name("fp16", "dirichlet", ["moegemm"], jagged=True, tune=False) == "fp16-jagged"
+    assert name("bf16", "dirichlet", ["moegemm"], jagged=False, tune=True) == "tune"
+    ignored = (Path(__file__).parents[1] / ".gitignore").read_text().splitlines()
+    assert "benchmarks/results/cpu-*" in ignored
 
 
 def test_cli_tune_refuses_without_hopper():
@@ -273,18 +355,43 @@ def test_device_and_host_clocks_are_none_off_cuda():
     assert timing.device_ms(lambda: None, cpu) is None and timing.host_us(lambda: None, cpu) is None
 
 
-def test_cli_ep_mode_checks_and_ratios(tmp_path):
-    """--ep: every impl's output is checked (local rows vs the ideal, other rows exactly 0) and each
-    group_offset record carries its ratios; on CPU the clock is wall time (proves the path runs)."""
+def test_cli_ep_mode_checks_and_times_nothing_on_cpu(tmp_path, capsys):
+    """--ep: every impl's output is checked (local rows vs the ideal, other rows exactly 0); without a
+    GPU nothing is timed, so no record has a time or a ratio."""
     out = tmp_path / "ep.json"
     assert cli.main(["--ep", "2,3", "--cases", "tiny-odd", "--device", "cpu", "--out", str(out)]) == 0
-    records = json.loads(out.read_text())["records"]
+    text = capsys.readouterr().out
+    assert text.splitlines()[0] == report.CPU_NOTICE.splitlines()[0] and "correctness PASS: 22/22" in text
+    data = json.loads(out.read_text())
+    records = data["records"]
+    assert data["meta"]["performance"] is False
     assert {(r["ep"], r["op"]) for r in records} == {
         (e, o) for e in (2, 3) for o in ("fwd", "dgrad", "wgrad")
     }
     assert all(r["status"].startswith("ok") for r in records), [r["status"] for r in records]
-    offset = [r for r in records if r["impl"] == "group_offset"]
-    assert len(offset) == 6 and all(r["vs_ideal"] > 0 and r["roll_vs_ideal"] > 0 for r in offset)
+    assert not [r for r in records if "ms" in r or "vs_ideal" in r]
+
+
+def test_ep_ratios():
+    from moegemm.bench import ep
+
+    def rec(impl, ms):
+        return dict(case="c", ep=2, op="fwd", impl=impl, ms=ms)
+
+    records = [
+        rec("group_offset", 3.0),
+        rec("local rows (ideal)", 2.0),
+        rec("zero-fill floor", 1.0),
+        rec("roll (before)", 4.0),
+    ]
+    ep._ratios(records)
+    r = records[0]
+    assert (r["ideal_ms"], r["vs_ideal"], r["vs_ideal_plus_zero_fill"], r["roll_vs_ideal"]) == (
+        2.0,
+        1.5,
+        1.0,
+        2.0,
+    )
 
 
 def test_ep_check_fails_on_rows_outside_or_wrong_values():
@@ -337,18 +444,81 @@ def test_paired_timing_alternates_the_implementations():
     assert calls == ["a", "b"] * 4
 
 
-def test_cli_paired_records_and_summary(tmp_path):
-    """--paired (the default): every ok implementation of a case-op gets paired_ms, moegemm's paired_vs_torch is its
-    paired speedup over torch._grouped_mm, and the summary reports the paired geomean."""
-    out = tmp_path / "r.json"
-    argv = ["--cases", "tiny-qwen3-fc2", "--ops", "fwd", "--impls", "moegemm,torch._grouped_mm", "--quick"]
-    assert cli.main([*argv, "--no-plot", "--out", str(out)]) == 0  # paired is the default
-    data = json.loads(out.read_text())
-    records = {r["impl"]: r for r in data["records"]}
-    assert all(r["status"] == "ok" and r["paired_ms"] > 0 for r in records.values())
-    moe, peer = records["moegemm"], records["torch._grouped_mm"]
-    assert moe["paired_vs_torch"] == pytest.approx(peer["paired_ms"] / moe["paired_ms"])
-    assert data["meta"]["summary"]["paired_compared"] == 1
-    assert data["meta"]["summary"]["paired_geomean_vs_torch"] == pytest.approx(moe["paired_vs_torch"])
-    assert cli.main([*argv, "--no-paired", "--no-plot", "--out", str(out)]) == 0
-    assert all("paired_ms" not in r for r in json.loads(out.read_text())["records"])
+def test_paired_records_and_summary():
+    """A timed run with paired on (the GPU default): every ok implementation of a case-op gets paired_ms,
+    moegemm's paired_vs_torch is its paired speedup over torch._grouped_mm, and the summary reports the
+    paired geomean. Driven through the harness here: the CPU CLI times nothing."""
+    registry.load_impls()
+    impls = [registry.REGISTRY["loop-torch.mm"], registry.REGISTRY["torch._grouped_mm"]]
+    spec = harness.RunSpec(
+        cases=[shapes.get("tiny-qwen3-fc2")],
+        ops=["fwd"],
+        impls=impls,
+        device=torch.device("cpu"),
+        timing=timing.TimingConfig.quick(),
+        paired=True,
+    )
+    records = {r["impl"]: r for r in harness.run(spec, _env())}
+    assert all(r["status"] == "ok" and r["ms"] > 0 and r["paired_ms"] > 0 for r in records.values())
+    loop, peer = records["loop-torch.mm"], records["torch._grouped_mm"]
+    assert loop["paired_vs_torch"] == pytest.approx(peer["paired_ms"] / loop["paired_ms"])
+    assert loop["pct_floor"] == pytest.approx(100 * loop["tflops"] / loop["floor_tflops"])
+    for r in records.values():
+        r["impl"] = "moegemm" if r is loop else r["impl"]  # the summary is about the subject, moegemm
+    summary = report.summary(list(records.values()))
+    assert summary["paired_compared"] == 1
+    assert summary["paired_geomean_vs_torch"] == pytest.approx(loop["paired_vs_torch"])
+    records = harness.run(dataclasses.replace(spec, paired=False), _env())
+    assert all("paired_ms" not in r for r in records)
+
+
+# ---------------------------------------------------------------- tools/
+
+
+TOOLS = Path(__file__).parents[1] / "tools"
+
+
+def _tool(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"tools_{name}", TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tools_use_only_the_public_api_and_say_how_to_run():
+    """A maintained tool imports moegemm's public modules only and opens with a usage docstring."""
+    import ast
+
+    tools = sorted(TOOLS.glob("*.py"))
+    assert tools
+    for path in tools:
+        tree = ast.parse(path.read_text())
+        assert "Usage" in (ast.get_docstring(tree) or ""), path.name
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+        private = [n for n in names if n.startswith(("moegemm._src", "moegemm.bench", "moegemm.testing"))]
+        assert not private, (path.name, private)
+
+
+def test_compare_results_ratios_peer_correction_and_exit(tmp_path, capsys):
+    """after/before speed per clock, the vs-torch correction that cancels a drift of the GPU's clock,
+    and --fail-below judging the paired geomean."""
+    compare = _tool("compare_results")
+    TORCH = harness.TORCH_PEER
+
+    def write(name, moe_ms, torch_ms):
+        rec = lambda impl, ms: dict(case="c", op="fwd", impl=impl, split="dirichlet", ms=ms, paired_ms=ms)
+        path = tmp_path / name
+        path.write_text(json.dumps({"meta": {}, "records": [rec("moegemm", moe_ms), rec(TORCH, torch_ms)]}))
+        return path
+
+    # After: the whole GPU 10% slower (both impls), moegemm itself no faster or slower than torch.
+    before, after = write("a.json", 1.0, 2.0), write("b.json", 1.1, 2.2)
+    (row,) = compare.compare(compare.load(before), compare.load(after), "moegemm")
+    assert row["ms"] == pytest.approx(1 / 1.1) and row["paired_ms"] == pytest.approx(1 / 1.1)
+    assert row["vs_peer"] == pytest.approx(1.0)
+    assert compare.main([str(before), str(after), "--fail-below", "0.95"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+    assert compare.main([str(before), str(before), "--fail-below", "0.95"]) == 0

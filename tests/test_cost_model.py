@@ -142,7 +142,7 @@ def test_model_changes_picks_where_the_default_was_slow():
         pick = configs._model_pick("k_grouped", "sm90", G=case.G, M=case.M, N=case.K, K=case.N, sms=132)
         assert pick.flat and pick.ctas_per_sm == 2 and pick.block_n == 128, (name, pick)
     # Long reductions (1024 rows per expert) take the wide tile in the flat loop with TMA loads, which
-    # the wgrad probe measured 1-5% ahead of the loop nest there (perf-notes 25).
+    # the wgrad probe measured 1-5% ahead of the loop nest there (docs/design.md, 'TMA loads').
     case = shapes.get("dsv3-ep8-fc1")
     pick = configs._model_pick("k_grouped", "sm90", G=case.G, M=case.M, N=case.K, K=case.N, sms=132)
     assert pick.block_n == 256 and pick.flat and pick.tma_load, pick
@@ -183,17 +183,17 @@ def test_tma_only_configs_stay_with_front_ends_that_have_tma():
 
 
 def test_four_stage_forward_tile_only_where_measured(monkeypatch):
-    """The 4-stage m-grouped 128 x 256 was measured on forwards with TMA loads (perf-notes 26): the launcher
-    offers it to a forward launch that loads through TMA (glm45air fwd, where it won 3%, gets it), not to the
-    same launch with cp.async, nor to the same sizes with an N-contiguous weight (a dgrad's layout, where it
-    lost), nor to JAX (tma=False)."""
+    """The 4-stage m-grouped 128 x 256 was measured on forwards with TMA loads (docs/design.md, 'TMA loads'):
+    the launcher offers it to a forward launch that loads through TMA (glm45air fwd, where it won 3%, gets
+    it), not to the same launch with cp.async, nor to the same sizes with an N-contiguous weight (a dgrad's
+    layout, where it lost), nor to JAX (tma=False)."""
     import torch
 
     from moegemm._src.torch import launch as _launch
 
     four = configs.MGroupedConfig(128, 256, 64, 8, 8, 4)
     assert four in configs.TMA_ONLY
-    monkeypatch.setattr(_launch, "_target", lambda device: ("sm90", H100, 132))
+    monkeypatch.setattr(_launch, "_target", lambda device: _launch.plan.Target("sm90", H100, 132))
     _launch.clear_launch_cache()
     case = shapes.get("glm45air-ep4-fc2")
 

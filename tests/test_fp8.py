@@ -1,4 +1,4 @@
-"""FP8: quantize, the scaled m- and k-grouped GEMMs, and GroupedLinear's FP8 recipes.
+"""FP8: quantize, m_grouped_mm and k_grouped_mm on quantized operands, and GroupedLinear's FP8 recipes.
 
 One test base per op, run per execution mode as the BF16 tests are: the Triton kernels (compiled on
 a GPU under ``pytest -m gpu``, the interpreter on CPU) and the plain-torch twins. Oracles:
@@ -20,11 +20,20 @@ from moegemm import shapes
 from moegemm._src import fp8
 from moegemm.testing import oracle
 from moegemm.testing.accuracy import relerr
-from moegemm.torch import GroupedLinear
-from moegemm.torch.fp8 import k_grouped_mm_fp8, m_grouped_mm_fp8, quantize_fp8
+from moegemm.torch import (
+    GroupedLinear,
+    k_grouped_mm,
+    k_grouped_mm_reference,
+    m_grouped_mm,
+    m_grouped_mm_reference,
+    quantize_fp8,
+)
 
 RECIPES = list(fp8.RECIPES)
 GEMM_TOL = 1e-3
+# The op against its twin (dequantize, multiply in fp32): equal but for summation order under the interpreter;
+# on the GPU the FP8 tensor cores keep fewer accumulator bits between promotions (up to 3.1e-4 on the H100).
+TWIN_TOL = 1e-5 if DEVICE == "cpu" else 1e-3
 
 
 def outliers(M, K, seed, scale=1.0):
@@ -168,22 +177,25 @@ class GemmTest:
         gs, x_q, w_q, dy_q = self.operands(recipe, M, K, N, sizes)
         b = (torch.randn(len(sizes), N) + 3).to(DEVICE) if bias else None
         xd, wd, dyd = (t.dequantize(torch.float64).cpu() for t in (x_q, w_q, dy_q))
-        out = m_grouped_mm_fp8(x_q, w_q, gs, bias=b, out_dtype=torch.float32, backend=self.BACKEND)
+        out = m_grouped_mm(x_q, w_q, gs, bias=b, out_dtype=torch.float32, backend=self.BACKEND)
         want = oracle.m_grouped_mm(xd, wd.mT, sizes, None if b is None else b.double().cpu())
         err = relerr(out.cpu(), torch.from_numpy(want))
         assert err <= GEMM_TOL, f"fprop {recipe} {sizes}: relerr {err:.2e}"
         owned = min(sum(max(s, 0) for s in sizes), M)
         assert (out[owned:] == 0).all(), "rows past the last group must be 0"
-        dx = m_grouped_mm_fp8(dy_q, w_q.t(), gs, out_dtype=torch.float32, backend=self.BACKEND)
+        twin = m_grouped_mm_reference(x_q, w_q, gs, b, out_dtype=torch.float32)
+        assert relerr(out.cpu(), twin.cpu()) <= TWIN_TOL, f"fprop {recipe}: the op and its twin differ"
+        dx = m_grouped_mm(dy_q, w_q.t(), gs, out_dtype=torch.float32, backend=self.BACKEND)
         want = oracle.m_grouped_mm(dyd, w_q.t().dequantize(torch.float64).cpu().mT, sizes)
         err = relerr(dx.cpu(), torch.from_numpy(want))
         assert err <= GEMM_TOL, f"dgrad {recipe} {sizes}: relerr {err:.2e}"
-        dw = k_grouped_mm_fp8(dy_q, x_q, gs, backend=self.BACKEND)
+        dw = k_grouped_mm(dy_q, x_q, gs, backend=self.BACKEND)
         want = oracle.k_grouped_mm(
             dy_q.dequantize_t(torch.float64).cpu(), x_q.dequantize_t(torch.float64).cpu(), sizes
         )
         err = relerr(dw.cpu(), torch.from_numpy(want))
         assert err <= GEMM_TOL, f"wgrad {recipe} {sizes}: relerr {err:.2e}"
+        assert relerr(dw.cpu(), k_grouped_mm_reference(dy_q, x_q, gs).cpu()) <= TWIN_TOL, f"wgrad {recipe}: twin"
         for g, r in enumerate(oracle.rows(sizes, M)):
             if not len(r):
                 assert (dw[g] == 0).all(), f"empty group {g}: dW must be exact zeros"
@@ -215,7 +227,7 @@ class GemmTest:
         main = torch.randn(3, 24, 40, device=DEVICE)
         main[1] = -0.0
         before = main.clone()
-        k_grouped_mm_fp8(dy_q, x_q, gs, out=main, accumulate=True, backend=self.BACKEND)
+        k_grouped_mm(dy_q, x_q, gs, out=main, accumulate=True, backend=self.BACKEND)
         want = oracle.k_grouped_mm(
             dy_q.dequantize_t(torch.float64).cpu(),
             x_q.dequantize_t(torch.float64).cpu(),
@@ -237,8 +249,8 @@ class GemmTest:
         for backend in (self.BACKEND, "reference"):
             x_q = quantize_fp8(x, "blockwise", group_sizes=gs, transpose=True, backend=backend)
             w_q = quantize_fp8(w, "blockwise", transpose=True, backend=backend)
-            out = m_grouped_mm_fp8(x_q, w_q, gs, out_dtype=torch.float32, backend=backend).cpu()
-            results.append((out, k_grouped_mm_fp8(x_q, x_q, gs, backend=backend).cpu()))
+            out = m_grouped_mm(x_q, w_q, gs, out_dtype=torch.float32, backend=backend).cpu()
+            results.append((out, k_grouped_mm(x_q, x_q, gs, backend=backend).cpu()))
         (out, dw), (want_out, want_dw) = results
         assert torch.isfinite(out).all() and torch.isfinite(dw).all(), (
             f"{name}: unwritten or garbage elements"
@@ -248,20 +260,51 @@ class GemmTest:
     def test_operand_errors(self):
         gs, x_q, w_q, dy_q = self.operands("blockwise", 40, 32, 16, [20, 20])
         with pytest.raises(ValueError, match="one recipe"):
-            m_grouped_mm_fp8(quantize_fp8(torch.randn(40, 32, device=DEVICE), "rowwise"), w_q, gs)
+            m_grouped_mm(quantize_fp8(torch.randn(40, 32, device=DEVICE), "rowwise"), w_q, gs)
         with pytest.raises(ValueError, match="transpose=True"):
-            k_grouped_mm_fp8(
+            k_grouped_mm(
                 quantize_fp8(torch.randn(40, 16, device=DEVICE), "blockwise", group_sizes=gs), x_q, gs
             )
         with pytest.raises(ValueError, match="same group_sizes"):
-            k_grouped_mm_fp8(
+            k_grouped_mm(
                 dy_q,
                 quantize_fp8(
                     torch.randn(40, 32, device=DEVICE), "blockwise", group_sizes=gs.clone(), transpose=True
                 ),
+                gs,
             )
         with pytest.raises(ValueError, match="matching K"):
-            m_grouped_mm_fp8(dy_q, w_q, gs)
+            m_grouped_mm(dy_q, w_q, gs)
+
+    def test_mixed_operands_name_both(self):
+        """An Fp8Tensor next to a high-precision tensor is refused, in either position, naming both."""
+        gs, x_q, w_q, dy_q = self.operands("rowwise", 40, 32, 16, [20, 20])
+        w = torch.randn(2, 32, 16, device=DEVICE)
+        mix = r"x is an Fp8Tensor \(rowwise, torch.float8_e4m3fn, shape \(40, 32\)\) but w is a torch.float32 tensor"
+        with pytest.raises(TypeError, match=mix):
+            m_grouped_mm(x_q, w, gs, backend=self.BACKEND)
+        with pytest.raises(TypeError, match=r"x is a torch.float32 tensor but w is an Fp8Tensor"):
+            m_grouped_mm(torch.randn(40, 32, device=DEVICE), w_q, gs, backend=self.BACKEND)
+        with pytest.raises(TypeError, match=r"a is a torch.float32 tensor but b is an Fp8Tensor"):
+            k_grouped_mm(torch.randn(40, 16, device=DEVICE), x_q, gs, backend=self.BACKEND)
+        with pytest.raises(TypeError, match="x is an Fp8Tensor .* but w is a torch.float32 tensor"):
+            m_grouped_mm_reference(x_q, w, gs)
+        with pytest.raises(ValueError, match="options of quantized operands"):
+            m_grouped_mm(torch.randn(40, 32, device=DEVICE), w, gs, fast_accum=True, backend=self.BACKEND)
+        with pytest.raises(ValueError, match="fast_accum is an option of quantized operands"):
+            k_grouped_mm(
+                torch.randn(40, 32, device=DEVICE), torch.randn(40, 8, device=DEVICE), gs, fast_accum=True
+            )
+
+    def test_bias_gradient(self):
+        """Of a quantized call, the bias is differentiable: dbias[g] = sum(dy[rows(g)], 0), in its dtype."""
+        sizes = [20, 0, 15]
+        gs, x_q, w_q, _ = self.operands("blockwise", 40, 32, 16, sizes)
+        b = torch.randn(3, 16, device=DEVICE, requires_grad=True)
+        dy = torch.randn(40, 16, device=DEVICE)
+        m_grouped_mm(x_q, w_q, gs, bias=b, out_dtype=torch.float32, backend=self.BACKEND).backward(dy)
+        want = torch.stack([dy[r.start : r.stop].sum(0) for r in oracle.rows(sizes, 40)])
+        assert relerr(b.grad.cpu(), want.cpu()) <= 1e-6
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -270,20 +313,20 @@ def test_quantize_transposed_only_matches_full(recipe, backend):
     """data=False (what GroupedLinear's forward uses after its GEMM) writes the same transposed copy
     and scales as the full call, and no data; tensorwise refuses it (its copy needs the data call's
     group scales)."""
-    from moegemm._src.torch import ops_fp8 as _ops_fp8
+    from moegemm._src.torch import ops as _ops
 
     sizes = [40, 0, 70, 25]
     x = outliers(150, 208, seed=7).to(DEVICE)
     gs = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
-    full = _ops_fp8.quantize(x, gs, recipe, torch.float8_e4m3fn, True, len(sizes), backend)
-    t_only = _ops_fp8.quantize(x, gs, recipe, torch.float8_e4m3fn, True, len(sizes), backend, False)
+    full = _ops.quantize(x, gs, recipe, torch.float8_e4m3fn, True, len(sizes), backend)
+    t_only = _ops.quantize(x, gs, recipe, torch.float8_e4m3fn, True, len(sizes), backend, False)
     assert t_only[0].numel() == 0 and t_only[1].numel() == 0, "data=False returns no data or scale"
     cols = sum(fp8.cdiv(s, 16) * 16 for s in sizes)
     blocks = sum(fp8.cdiv(s, 128) for s in sizes) if recipe == "blockwise" else len(sizes)
     assert torch.equal(as_bytes(t_only[2])[:, :cols], as_bytes(full[2])[:, :cols]), "data_t differs"
     assert torch.equal(t_only[3][:blocks].cpu(), full[3][:blocks].cpu()), "scale_t differs"
     with pytest.raises(ValueError, match="transposed copy only"):
-        _ops_fp8.quantize(x, gs, "tensorwise", torch.float8_e4m3fn, True, len(sizes), backend, False)
+        _ops.quantize(x, gs, "tensorwise", torch.float8_e4m3fn, True, len(sizes), backend, False)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -350,7 +393,11 @@ def ws_spy(monkeypatch, launch_name: str, config=None) -> list:
     if not _launch_fp8._ws_device(torch.device(DEVICE)):
         pytest.skip("the warp-specialized kernel needs Gluon and an sm90 GPU")
     if config is not None:
-        monkeypatch.setattr(_launch_fp8.configs, "pick_fp8_ws_config", lambda *a, **_: config)
+        from moegemm._src import plan
+
+        plan.constrain(
+            config=lambda op, problem, target, picked: config if op.endswith("_fp8_ws") else picked
+        )
         _launch_fp8.clear_launch_cache()
     direct = getattr(_launch_fp8, launch_name)
     calls, launch = [], direct.launch
@@ -383,13 +430,13 @@ def test_m_grouped_fp8_warp_specialized(recipe, block_n, M, K, N, sizes, monkeyp
     try:
         gs, x_q, w_q, dy_q = GemmTest().operands(recipe, M, K, N, sizes, seed=block_n)
         b = (torch.randn(len(sizes), N) + 3).to(DEVICE)
-        out = m_grouped_mm_fp8(x_q, w_q, gs, bias=b, out_dtype=torch.float32)
+        out = m_grouped_mm(x_q, w_q, gs, bias=b, out_dtype=torch.float32)
         xd, wd, dyd = (t.dequantize(torch.float64).cpu() for t in (x_q, w_q, dy_q))
         want = oracle.m_grouped_mm(xd, wd.mT, sizes, b.double().cpu())
         assert relerr(out.cpu(), torch.from_numpy(want)) <= GEMM_TOL, f"fprop {recipe} {sizes}"
         owned = sum(sizes)
         assert (out[owned:] == 0).all(), "rows past the last group must be 0"
-        dx = m_grouped_mm_fp8(dy_q, w_q.t(), gs, out_dtype=torch.bfloat16)
+        dx = m_grouped_mm(dy_q, w_q.t(), gs, out_dtype=torch.bfloat16)
         want = oracle.m_grouped_mm(dyd, w_q.t().dequantize(torch.float64).cpu().mT, sizes)
         assert relerr(dx.float().cpu(), torch.from_numpy(want)) <= 4e-3, f"dgrad {recipe} {sizes}"  # bf16 out
         assert not torch.isnan(dx).any() and (dx[owned:] == 0).all()
@@ -412,7 +459,7 @@ def test_m_grouped_fp8_warp_specialized_clamps_bad_sizes(name, M, sizes, recipe,
     for backend in ("triton", "reference"):
         x_q = quantize_fp8(x, recipe, group_sizes=gs, backend=backend)
         w_q = quantize_fp8(w, recipe, backend=backend)
-        results.append(m_grouped_mm_fp8(x_q, w_q, gs, out_dtype=torch.float32, backend=backend).cpu())
+        results.append(m_grouped_mm(x_q, w_q, gs, out_dtype=torch.float32, backend=backend).cpu())
     out, want = results
     assert calls, "the warp-specialized kernel did not run"
     assert torch.isfinite(out).all(), f"{name}: unwritten or garbage elements"
@@ -467,7 +514,7 @@ def test_k_grouped_fp8_warp_specialized(recipe, block_n, accumulate, M, K, N, si
         else:
             main = torch.full((len(sizes), N, K), float("nan"), device=DEVICE)
         before = main.clone()
-        k_grouped_mm_fp8(dy_q, x_q, gs, out=main, accumulate=accumulate)
+        k_grouped_mm(dy_q, x_q, gs, out=main, accumulate=accumulate)
     finally:
         _launch_fp8.clear_launch_cache()
     want = oracle.k_grouped_mm(
@@ -502,7 +549,7 @@ def test_k_grouped_fp8_warp_specialized_clamps_bad_sizes(name, M, sizes, recipe,
     results = []
     for backend in ("triton", "reference"):
         x_q = quantize_fp8(x, recipe, group_sizes=gs, transpose=True, backend=backend)
-        results.append(k_grouped_mm_fp8(x_q, x_q, gs, backend=backend).cpu())
+        results.append(k_grouped_mm(x_q, x_q, gs, backend=backend).cpu())
     _launch_fp8.clear_launch_cache()
     out, want = results
     assert calls, "the warp-specialized wgrad did not run"
@@ -536,6 +583,62 @@ def test_k_grouped_fp8_warp_specialized_takes_the_suite(case):
             short_store = recipe != "blockwise" and not accumulate and case.M < 512 * case.G
             assert (config is None) == short_store, (case.name, recipe, accumulate)
             assert config is None or config.block_n in (128, 256)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_quantized_operands_through_the_one_op(backend):
+    """The public ops take Fp8Tensors: m_grouped_mm(quantize_fp8(x, ...), quantize_fp8(w, ...), gs) runs
+    the FP8 kernel (the same bytes as the launch by hand) and k_grouped_mm the FP8 wgrad, into an fp32
+    main_grad as well; the twins dequantize and agree."""
+    from moegemm._src.torch import ops as _ops
+
+    sizes = [30, 0, 26]
+    gs = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
+    x, w = outliers(64, 48, 1).to(DEVICE), torch.randn(3, 40, 48, device=DEVICE)
+    x_q = quantize_fp8(x, "rowwise", group_sizes=gs, transpose=True, backend=backend)
+    w_q = quantize_fp8(w, "rowwise", backend=backend)
+    out = m_grouped_mm(x_q, w_q, gs, backend=backend)
+    by_hand = _ops.m_grouped_fp8(
+        x_q.data, x_q.scale, w_q.data, w_q.scale, gs, None, "rowwise", torch.bfloat16, False, backend
+    )
+    assert out.dtype == torch.bfloat16 and torch.equal(as_bytes(out), as_bytes(by_hand))
+    twin = m_grouped_mm_reference(x_q, w_q, gs, out_dtype=torch.float32)
+    assert relerr(out.float().cpu(), twin.cpu()) <= 4e-3  # bf16 out
+    main = torch.randn(3, 48, 48, device=DEVICE)
+    main[1] = -0.0
+    before = main.clone()
+    with torch.no_grad():
+        k_grouped_mm(x_q, x_q, gs, out=main, accumulate=True, backend=backend)
+    want = k_grouped_mm_reference(x_q, x_q, gs, out=before.clone(), accumulate=True)
+    assert relerr(main.cpu(), want.cpu()) <= TWIN_TOL
+    assert torch.equal(as_bytes(main[1]), as_bytes(before[1])), "an empty group's main_grad was touched"
+
+
+def test_quantized_ops_compile_fullgraph():
+    """quantize_fp8, m_grouped_mm and k_grouped_mm on quantized operands trace as custom ops."""
+    sizes = [20, 0, 24]
+    x, w, dy = (
+        outliers(48, 32, 1).to(DEVICE),
+        torch.randn(3, 16, 32, device=DEVICE),
+        outliers(48, 16, 2).to(DEVICE),
+    )
+    b = torch.randn(3, 16, device=DEVICE, requires_grad=True)
+
+    def step(x, w, dy, gs):
+        x_q = quantize_fp8(x, "blockwise", group_sizes=gs, transpose=True)
+        w_q = quantize_fp8(w, "blockwise", transpose=True)
+        dy_q = quantize_fp8(dy, "blockwise", group_sizes=gs, transpose=True)
+        y = m_grouped_mm(x_q, w_q, gs, bias=b, out_dtype=torch.float32)
+        return y, m_grouped_mm(dy_q, w_q.t(), gs), k_grouped_mm(dy_q, x_q, gs)
+
+    gs = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
+    eager = step(x, w, dy, gs)
+    eager[0].sum().backward()
+    grad, b.grad = b.grad, None
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(x, w, dy, gs)
+    compiled[0].sum().backward()
+    for name, got, want in zip(("y", "dx", "dw", "dbias"), (*compiled, b.grad), (*eager, grad)):
+        assert torch.equal(got, want), name
 
 
 # ---------------------------------------------------------------- GroupedLinear(fp8_recipe=...)
@@ -573,11 +676,11 @@ def test_grouped_linear_fp8_matches_its_quantized_math(recipe, backend):
     x_q = quantize_fp8(x, recipe, group_sizes=gs, transpose=True, backend=backend)
     w_q = quantize_fp8(module.weight.detach(), recipe, transpose=True, backend=backend)
     dy_q = quantize_fp8(dy, recipe, group_sizes=gs, transpose=True, backend=backend)
-    want_y = m_grouped_mm_fp8(
+    want_y = m_grouped_mm(
         x_q, w_q, gs, bias=module.bias.detach(), out_dtype=torch.float32, fast_accum=True, backend=backend
     )
-    want_dx = m_grouped_mm_fp8(dy_q, w_q.t(), gs, out_dtype=torch.float32, backend=backend)
-    want_dw = k_grouped_mm_fp8(dy_q, x_q, gs, backend=backend)
+    want_dx = m_grouped_mm(dy_q, w_q.t(), gs, out_dtype=torch.float32, backend=backend)
+    want_dw = k_grouped_mm(dy_q, x_q, gs, backend=backend)
     for name, got, want in (("y", y, want_y), ("dx", dx, want_dx), ("dw", module.weight.grad, want_dw)):
         assert relerr(got.cpu(), want.cpu()) <= 1e-5, f"{recipe} {name}"
     assert relerr(module.bias.grad.cpu(), ref.bias.grad.cpu()) <= 1e-6, "dbias is high precision"
@@ -634,16 +737,16 @@ def test_grouped_linear_fp8_delay_and_main_grad(backend, fuse):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_grouped_linear_fp8_step_order_keeps_one_copy_alive(recipe, monkeypatch):
-    """The order that bounds the step's memory (perf-notes 22): the forward quantizes x's data, runs the
+    """The order that bounds the step's memory: the forward quantizes x's data, runs the
     GEMM, and only then (rowwise, blockwise) x's transposed copy; the backward runs the wgrad before the
     dgrad, with dy's transposed copy released in between (its storage freed before dx is allocated)."""
     import gc
     import weakref
 
-    from moegemm._src.torch import ops_fp8 as _ops_fp8
+    from moegemm._src.torch import ops as _ops
 
     events = []
-    quantize, m_grouped, k_out = _ops_fp8.quantize, _ops_fp8.m_grouped, _ops_fp8.k_grouped_out
+    quantize, m_grouped, k_out = _ops.quantize, _ops.m_grouped_fp8, _ops.k_grouped_fp8_out
 
     def spy_quantize(x, gs, recipe_, dtype, transpose, G, backend, data=True):
         parts = quantize(x, gs, recipe_, dtype, transpose, G, backend, data)
@@ -661,9 +764,9 @@ def test_grouped_linear_fp8_step_order_keeps_one_copy_alive(recipe, monkeypatch)
         events.append(("k_grouped",))
         return k_out(*args)
 
-    monkeypatch.setattr(_ops_fp8, "quantize", spy_quantize)
-    monkeypatch.setattr(_ops_fp8, "m_grouped", spy_m_grouped)
-    monkeypatch.setattr(_ops_fp8, "k_grouped_out", spy_k_out)
+    monkeypatch.setattr(_ops, "quantize", spy_quantize)
+    monkeypatch.setattr(_ops, "m_grouped_fp8", spy_m_grouped)
+    monkeypatch.setattr(_ops, "k_grouped_fp8_out", spy_k_out)
     module, _ = fp8_pair(recipe, "reference", fuse_wgrad_accumulation=True)
     module.weight.main_grad = torch.zeros(3, 24, 40, device=DEVICE)
     module(outliers(50, 40, 1).to(DEVICE).requires_grad_(), torch.tensor(SIZES, device=DEVICE))
@@ -680,6 +783,23 @@ def test_grouped_linear_fp8_step_order_keeps_one_copy_alive(recipe, monkeypatch)
     assert names.index("k_grouped") < len(names) - 1 - names[::-1].index("m_grouped"), names
     dgrad_alive = [e[1] for e in events if e[0] == "m_grouped"][-1]
     assert dgrad_alive == [False], "dy's transposed copy was still alive when dgrad ran"
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["grad", "main_grad"])
+def test_grouped_linear_fp8_eager_skips_custom_op_dispatch(fuse, monkeypatch):
+    """Eager FP8 fwd+bwd launches directly, as the BF16 path does: the custom ops are for tracing."""
+    from moegemm._src.torch import ops as _ops
+
+    def traced_only(*args, **kwargs):
+        raise AssertionError("an eager GroupedLinear call went through a torch.library custom op")
+
+    for name in ("m_grouped_mm_op", "k_grouped_mm_op", "k_grouped_mm_out_op", "quantize_fp8_op"):
+        monkeypatch.setattr(_ops, name, traced_only)
+    module, _ = fp8_pair("rowwise", "reference", fuse_wgrad_accumulation=fuse)
+    if fuse:
+        module.weight.main_grad = torch.zeros(3, 24, 40, device=DEVICE)
+    _, dx = run_step(module, outliers(50, 40, 1).to(DEVICE), outliers(50, 24, 2).to(DEVICE))
+    assert dx is not None and module.bias.grad is not None
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -606,8 +606,7 @@ def test_tma_loads_in_backward_and_graph_replay(monkeypatch):
     from moegemm._src.torch import launch as _launch
 
     flat_configs(monkeypatch, tma_load=True)
-    monkeypatch.setattr(_launch, "TMA_LOAD", True)
-    monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", 0)
+    _launch.plan.constrain(tma_load=True, tma_load_min_flops=0)
     k_calls = record_launches(monkeypatch, "k_grouped")
     m_calls = record_launches(monkeypatch, "m_grouped")
     # N8 = 128: the dgrad reads the weight N-contiguous, which takes TMA loads only without a K tail.
@@ -627,7 +626,7 @@ def test_tma_loads_in_backward_and_graph_replay(monkeypatch):
     assert len(m_calls) == 2 and all(_launch._m_launch(*s).meta["TMA_LOAD"] for _, s in m_calls), m_calls
     # The eager y keeps its autograd graph's nodes alive, x's AccumulateGrad among them, and that node keeps
     # the legacy stream it was made on: the capture's backward would then wait on the legacy stream and
-    # fail (cudaErrorStreamCaptureImplicit), with or without TMA loads (perf-notes 26). PyTorch behaviour:
+    # fail (cudaErrorStreamCaptureImplicit), with or without TMA loads. PyTorch behaviour:
     # https://github.com/pytorch/pytorch/issues/164302
     del y
     graph, y = capture_step(module, x, gs, dy)

@@ -120,8 +120,8 @@ def test_make_ragged_dot_cls_rejects_unservable_backend_at_build_time():
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
 def test_grouped_dense_fp8_recipe_one_argument(backend, recipe):
     """fp8_recipe switches an existing layer to FP8: same parameters, values and gradients are
-    ragged_dot_fp8's (the FP8 op itself is checked in test_jax_fp8.py), FP8-close to the BF16 layer."""
-    from moegemm.jax import fp8 as jfp8
+    ragged_dot(fp8_recipe=...)'s (the FP8 op itself is checked in test_jax.py), FP8-close to the BF16 layer."""
+    import moegemm.jax as mj
 
     M, K, N, sizes = 40, 32, 24, [10, 0, 25, 5]
     x = jnp.asarray(np.random.default_rng(2).standard_normal((M, K)), jnp.float32)
@@ -132,7 +132,7 @@ def test_grouped_dense_fp8_recipe_one_argument(backend, recipe):
     loss = lambda layer: lambda p, x: jnp.sum(jnp.sin(layer.apply(p, x, gs)))
     (value, (dp, dx)) = jax.value_and_grad(loss(layer), argnums=(0, 1))(params, x)
     kernel = params["params"]["kernel"]
-    direct = lambda k, x: jnp.sum(jnp.sin(jfp8.ragged_dot_fp8(x, k, gs, recipe=recipe, backend=backend)))
+    direct = lambda k, x: jnp.sum(jnp.sin(mj.ragged_dot(x, k, gs, fp8_recipe=recipe, backend=backend)))
     want_value, (want_dk, want_dx) = jax.value_and_grad(direct, argnums=(0, 1))(kernel, x)
     assert float(value) == float(want_value)
     np.testing.assert_array_equal(np.asarray(dp["params"]["kernel"]), np.asarray(want_dk))

@@ -22,8 +22,9 @@ from functools import partial
 
 import pytest
 
-from moegemm.jax.collective_gemm import n_axes_to_move_to_m, plan_dense
-from moegemm.jax.sharding import ShardingRuleError, plan_k_grouped, plan_m_grouped, shard_group_sizes
+from moegemm.jax.collective_gemm import _n_axes_to_move_to_m, plan_dense
+from moegemm.jax.sharding import ShardingRuleError, plan_k_grouped, plan_m_grouped
+from moegemm.jax.sharding._per_shard import shard_group_sizes
 from moegemm.testing.hlo import collectives_in_hlo, replica_groups
 
 P = __import__("jax").sharding.PartitionSpec
@@ -160,16 +161,16 @@ def test_dense_output_axes_moved_from_n_to_m():
     """Sequence parallelism shards out on N over the weight's axis; when propagation asks for that axis
     on M instead, the partition callback moves it (one all-to-all) rather than leaving XLA a reshard."""
     tp, fsdp = ("tp",), ("fsdp",)
-    assert n_axes_to_move_to_m(((), (), tp), ((), tp, ())) == tp
-    assert n_axes_to_move_to_m((fsdp, (), tp), (fsdp, tp, ())) == tp
-    assert n_axes_to_move_to_m((fsdp, fsdp, ("x", "tp")), (fsdp, ("fsdp", "tp"), ("x",))) == tp
-    assert n_axes_to_move_to_m(((), (), tp), ((), (), tp)) == ()  # nothing to move
-    assert n_axes_to_move_to_m(((), (), tp), (fsdp, tp, ())) == ()  # B differs too
-    assert n_axes_to_move_to_m(((), (), ("tp", "x")), ((), tp, ("x",))) == ()  # tp is not N's minor axis
-    assert n_axes_to_move_to_m(((), (), tp), ((), ("x",), ())) == ()  # an axis out of nowhere
+    assert _n_axes_to_move_to_m(((), (), tp), ((), tp, ())) == tp
+    assert _n_axes_to_move_to_m((fsdp, (), tp), (fsdp, tp, ())) == tp
+    assert _n_axes_to_move_to_m((fsdp, fsdp, ("x", "tp")), (fsdp, ("fsdp", "tp"), ("x",))) == tp
+    assert _n_axes_to_move_to_m(((), (), tp), ((), (), tp)) == ()  # nothing to move
+    assert _n_axes_to_move_to_m(((), (), tp), (fsdp, tp, ())) == ()  # B differs too
+    assert _n_axes_to_move_to_m(((), (), ("tp", "x")), ((), tp, ("x",))) == ()  # tp is not N's minor axis
+    assert _n_axes_to_move_to_m(((), (), tp), ((), ("x",), ())) == ()  # an axis out of nowhere
     # read backwards for an operand: dout sharded on M where the dgrad's plan wants it on K
     plan = plan_dense(P(None, "tp", None), P("tp", None), 3, 2)
-    assert n_axes_to_move_to_m(plan.lhs, ((), tp, ())) == tp
+    assert _n_axes_to_move_to_m(plan.lhs, ((), tp, ())) == tp
 
 
 def test_shard_group_sizes():
@@ -212,6 +213,25 @@ def test_default_local_ops_are_moegemms(monkeypatch):
     out = jax.jit(lambda x, w: sharding.ragged_dot(x, w, gs))(x, w)
     assert backends and set(backends) == {"auto"}
     np.testing.assert_allclose(out, reference.ragged_dot_reference(x, w, gs), rtol=1e-6)
+
+
+def test_fp8_recipe_and_ops_are_one_choice():
+    """fp8_recipe and backend pick moegemm's local ops; with an explicit ops= they raise, naming both.
+    Quantized operands raise: the sharded ops quantize on each shard."""
+    import jax.numpy as jnp
+
+    from moegemm.jax import quantize_fp8, sharding
+
+    x, w, gs = jnp.ones((6, 4)), jnp.ones((2, 4, 3)), jnp.array([2, 3], jnp.int32)
+    with pytest.raises(ValueError, match="either ops='reference' or backend/fp8_recipe"):
+        sharding.ragged_dot(x, w, gs, fp8_recipe="rowwise", ops=sharding.REFERENCE_OPS)
+    fp8_ops = sharding.moegemm_local_ops("reference", fp8_recipe="rowwise")
+    assert fp8_ops.name == "moegemm-fp8-rowwise-reference"
+    with pytest.raises(ValueError, match="recipe"):
+        sharding.moegemm_local_ops("reference", fp8_recipe="mxfp8")
+    x_q = quantize_fp8(x, "rowwise", group_sizes=gs, backend="reference")
+    with pytest.raises(TypeError, match="lhs is an Fp8Array, rhs is high precision.*fp8_recipe="):
+        sharding.ragged_dot(x_q, w, gs)
 
 
 def test_collectives_in_hlo_parses_sync_and_async_forms():
@@ -504,7 +524,7 @@ def _case_fns(name, data):
 
     from moegemm.jax import collective_gemm, sharding
     from moegemm.jax import reference as ref
-    from moegemm.jax.sharding.plans import spec
+    from moegemm.jax.sharding._plans import spec
 
     _, op, ls, rs, layout = CASES[name]
     ls, rs, gs = _spec(ls), _spec(rs), data["gs"]
@@ -619,8 +639,8 @@ def _intercept_partitions():
     from jax.sharding import NamedSharding
 
     from moegemm.jax import collective_gemm
-    from moegemm.jax.sharding import partition
-    from moegemm.jax.sharding.plans import dims
+    from moegemm.jax.sharding import _partition as partition
+    from moegemm.jax.sharding._plans import dims
 
     ops = {
         "m_grouped": partition._m_grouped_mm,

@@ -1,11 +1,11 @@
-"""FP8 under the partitioning rules (moegemm.jax.sharding.fp8) on 8 fake CPU devices.
+"""FP8 under the partitioning rules (moegemm.jax.sharding.ragged_dot(..., fp8_recipe=...)) on 8 fake CPU devices.
 
 As in test_jax_sharding.py, one subprocess (this file as a script, XLA_FLAGS asking for 8 host
 devices) runs every case once and reports: the sharded forward and gradients against the unsharded
-FP8 op (moegemm.jax.fp8.ragged_dot_fp8, the jnp twin), the collectives of the compiled HLO, the
+FP8 op (moegemm.jax.ragged_dot(..., fp8_recipe=...), the jnp twin), the collectives of the compiled HLO, the
 gradient shardings, and XLA's stderr. The local computation is the jnp twin (backend="reference"):
 the interpreter's host callbacks cannot run on 8 fake devices at once. 2 GPUs with the Triton
-kernels: benchmarks/sharding_bench.py --fp8 (docs/perf-notes.md).
+kernels: benchmarks/sharding_bench.py --fp8 (docs/sharding.md).
 """
 
 from __future__ import annotations
@@ -199,18 +199,18 @@ def _run_case(name, data) -> dict:
     import numpy as np
     from jax.sharding import AxisType, NamedSharding
 
-    from moegemm.jax import fp8 as jfp8
+    import moegemm.jax as mj
     from moegemm.jax import reference
-    from moegemm.jax.sharding import ShardingRuleError, ragged_dot_fp8
+    from moegemm.jax.sharding import ShardingRuleError, ragged_dot
 
     shape, axes, ls, rs, recipe = CASES[name]
     mesh = jax.make_mesh(shape, axes, axis_types=(AxisType.Auto,) * len(axes))
     gs, x, w, dy = data["gs"], data["x"], data["w"], data["dy"]
-    f = lambda a, b: ragged_dot_fp8(
-        a, b, gs, recipe=recipe, preferred_element_type=jnp.float32, backend="reference"
+    f = lambda a, b: ragged_dot(
+        a, b, gs, fp8_recipe=recipe, preferred_element_type=jnp.float32, backend="reference"
     )
-    want_f = lambda a, b: jfp8.ragged_dot_fp8(
-        a, b, gs, recipe=recipe, preferred_element_type=jnp.float32, backend="reference"
+    want_f = lambda a, b: mj.ragged_dot(
+        a, b, gs, fp8_recipe=recipe, preferred_element_type=jnp.float32, backend="reference"
     )
     loss = lambda f: lambda a, b: jnp.vdot(f(a, b), dy)
     a = jax.device_put(x, NamedSharding(mesh, _spec(ls)))
@@ -258,19 +258,19 @@ def _run_quantize_case(name, data) -> dict:
     import numpy as np
     from jax.sharding import AxisType, NamedSharding
 
-    from moegemm.jax import fp8 as jfp8
+    import moegemm.jax as mj
     from moegemm.jax import sharding
 
     shape, axes, xs, recipe = QUANTIZE_CASES[name]
     mesh = jax.make_mesh(shape, axes, axis_types=(AxisType.Auto,) * len(axes))
     gs, x = data["gs"], data["x"]
     a = jax.device_put(x, NamedSharding(mesh, _spec(xs)))
-    f = jax.jit(lambda a: sharding.quantize_fp8(a, recipe, gs, backend="reference"))
+    f = jax.jit(lambda a: sharding.quantize_fp8(a, recipe, group_sizes=gs, backend="reference"))
     try:
         got = f(a)
     except (sharding.ShardingRuleError, jax.errors.JaxRuntimeError) as e:
         return {"error": f"{type(e).__name__}: {e}"}
-    want = jfp8.quantize_fp8(x, recipe, group_sizes=gs, backend="reference")
+    want = mj.quantize_fp8(x, recipe, group_sizes=gs, backend="reference")
     return {
         "same_data": bool(
             np.array_equal(np.asarray(got.data).view(np.uint8), np.asarray(want.data).view(np.uint8))

@@ -10,6 +10,7 @@ import torch
 from conftest import DEVICE, flat_configs, record_launches, spy_store_paths
 
 from moegemm import shapes
+from moegemm._src import plan
 from moegemm._src.torch import ops as _ops
 from moegemm.testing import assert_rel_close, oracle
 from moegemm.torch import k_grouped_mm
@@ -216,7 +217,7 @@ class TestKGroupedTritonFlat(KGroupedTest):
     def flat_cp_async(self, monkeypatch):
         from moegemm._src.torch import launch as _launch
 
-        monkeypatch.setattr(_launch, "TMA_LOAD", False)
+        plan.constrain(tma_load=False)
         flat_configs(monkeypatch)
         yield
         _launch.clear_launch_cache()
@@ -243,8 +244,7 @@ class TestKGroupedTritonFlatTmaLoad(KGroupedTest):
     def spy(self, monkeypatch):
         from moegemm._src.torch import launch as _launch
 
-        monkeypatch.setattr(_launch, "TMA_LOAD", True)
-        monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", 0)  # the tests' problems are tiny
+        plan.constrain(tma_load=True, tma_load_min_flops=0)  # the tests' problems are tiny
         flat_configs(monkeypatch, tma_load=True)
         self.calls = record_launches(monkeypatch, "k_grouped")
         yield
@@ -293,7 +293,7 @@ class TestKGroupedTritonFlatTmaLoad(KGroupedTest):
         a, b = make_inputs(M, K, N, torch.bfloat16, seed=8)
         gs = torch.tensor(sizes, device=DEVICE)
         for min_flops, want in ((2 * M * N * K + 1, False), (2 * M * N * K, True)):
-            monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", min_flops)
+            plan.constrain(tma_load_min_flops=min_flops)
             before = len(self.calls)
             out = k_grouped_mm(a, b, gs, out_dtype=torch.bfloat16, backend=self.BACKEND)
             assert [_launch._k_launch(*s).meta["TMA_LOAD"] for _, s in self.calls[before:]] == [want]
@@ -319,12 +319,12 @@ class TestKGroupedWs(KGroupedTest):
         from moegemm._src import configs
         from moegemm._src.torch import launch as _launch
 
-        for flag in ("TMA_LOAD", "TMA_STORE", "WS_WGRAD"):
-            monkeypatch.setattr(_launch, flag, True)
-        monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", 0)  # the tests' problems are tiny
-        monkeypatch.setattr(_launch, "TMA_STORE_MIN_FLOPS", 0)
+        # The tests' problems are tiny: both TMA paths at any size.
+        plan.constrain(
+            tma_load=True, tma_store=True, ws_wgrad=True, tma_load_min_flops=0, tma_store_min_flops=0
+        )
         config = configs.candidates("k_grouped_ws", "sm90")[0]
-        monkeypatch.setattr(configs, "pick_k_ws_config", lambda **kw: config)
+        plan.constrain(config=lambda op, problem, target, picked: config if op == "k_grouped_ws" else picked)
         _launch.clear_launch_cache()
         self.ws_calls = []
         inner = _launch.K_GROUPED_WS.launch
@@ -375,7 +375,7 @@ class TestKGroupedWs(KGroupedTest):
         from moegemm._src.torch import launch as _launch
 
         config = dataclasses.replace(configs.candidates("k_grouped_ws", "sm90")[0], num_stages=stages)
-        monkeypatch.setattr(configs, "pick_k_ws_config", lambda **kw: config)
+        plan.constrain(config=lambda op, problem, target, picked: config if op == "k_grouped_ws" else picked)
         _launch.clear_launch_cache()
         sizes = [300, 0, 517, 64, 1024, 1, 700, 1490]
         self.check(sum(sizes), 576, 2000, sizes, seed=11)
@@ -491,13 +491,11 @@ class TestKGroupedTritonTmaStore(KGroupedTest):
     def test_small_launches_store_from_registers(self, monkeypatch):
         """Below TMA_STORE_MIN_FLOPS (2 M N K) the launch keeps the register store: the descriptor's host
         cost would not hide behind so short a launch."""
-        from moegemm._src.torch import launch as _launch
-
         M, K, N, sizes = 40, 16, 24, [25, 15]
         a, b = make_inputs(M, K, N, torch.bfloat16, seed=8)
         gs = torch.tensor(sizes, device=DEVICE)
         for min_flops, path in ((2 * M * N * K + 1, "K_GROUPED"), (2 * M * N * K, "K_GROUPED_TMA")):
-            monkeypatch.setattr(_launch, "TMA_STORE_MIN_FLOPS", min_flops)
+            plan.constrain(tma_store_min_flops=min_flops)
             before = len(self.calls)
             out = k_grouped_mm(a, b, gs, out_dtype=torch.bfloat16, backend=self.BACKEND)
             assert [name for name, _ in self.calls[before:]] == [path]
@@ -527,7 +525,7 @@ class TestKGroupedTritonRegisterStore(KGroupedTest):
     def no_tma_store(self, monkeypatch):
         from moegemm._src.torch import launch as _launch
 
-        monkeypatch.setattr(_launch, "TMA_STORE", False)
+        plan.constrain(tma_store=False)
         _launch.clear_launch_cache()
         calls = record_launches(monkeypatch, "k_grouped")
         yield

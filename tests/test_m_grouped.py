@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moegemm import shapes
-from moegemm._src import configs
+from moegemm._src import configs, plan
 from moegemm._src.kernels import m_grouped
 from moegemm.testing import assert_rel_close, oracle
 from moegemm.torch import k_grouped_mm, m_grouped_mm
@@ -153,9 +153,7 @@ class TestMGroupedTritonTmaLoad(MGroupedTest):
     def spy(self, monkeypatch):
         from moegemm._src.torch import launch as _launch
 
-        monkeypatch.setattr(configs, "M_FLAT", self.FLAT)
-        monkeypatch.setattr(_launch, "TMA_LOAD", True)
-        monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", 0)  # the tests' problems are tiny
+        plan.constrain(flat=self.FLAT, tma_load=True, tma_load_min_flops=0)  # the tests' problems are tiny
         _launch.clear_launch_cache()
         self.calls = record_launches(monkeypatch, "m_grouped")
         yield
@@ -223,13 +221,11 @@ class TestMGroupedTritonTmaLoad(MGroupedTest):
 
     def test_small_launches_keep_cp_async(self, monkeypatch):
         """Below TMA_LOAD_MIN_FLOPS (2 M N K) the launch keeps cp.async (the scratch costs host time)."""
-        from moegemm._src.torch import launch as _launch
-
         M, K, N = 40, 64, 24
         x, w = make_inputs(M, K, N, 2, torch.bfloat16, "transpose_w", seed=8)
         gs = torch.tensor([25, 15], device=DEVICE)
         for min_flops, tma in ((2 * M * N * K + 1, False), (2 * M * N * K, True)):
-            monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", min_flops)
+            plan.constrain(tma_load_min_flops=min_flops)
             before = len(self.calls)
             out = m_grouped_mm(x, w, gs, backend=self.BACKEND)
             assert self.launched_tma_load(before) == [tma]
@@ -303,7 +299,7 @@ class TestMGroupedTritonRegisterStore(MGroupedTest):
     def no_tma_store(self, monkeypatch):
         from moegemm._src.torch import launch as _launch
 
-        monkeypatch.setattr(_launch, "TMA_STORE", False)
+        plan.constrain(tma_store=False)
         _launch.clear_launch_cache()
         calls = record_launches(monkeypatch, "m_grouped")
         yield
@@ -319,11 +315,9 @@ class TestMGroupedTritonUniformM(MGroupedTest):
 
     @pytest.fixture(autouse=True)
     def uniform(self, monkeypatch):
-        from moegemm._src import configs
         from moegemm._src.torch import launch as _launch
 
-        monkeypatch.setattr(configs, "MIXED_M", False)
-        monkeypatch.setattr(configs, "TAIL_SPLIT", False)
+        plan.constrain(mixed_m=False, tail_split=False)
         _launch.clear_launch_cache()
         self.calls = record_launches(monkeypatch, "m_grouped")
         yield
@@ -339,15 +333,10 @@ def half_tile_launches(monkeypatch, tma: bool) -> tuple:
     would pick for their small problems. Returns (target, device name, that config, the recorded launches)."""
     from moegemm._src.torch import launch as _launch
 
-    monkeypatch.setattr(_launch, "TMA_LOAD", tma)
-    monkeypatch.setattr(_launch, "TMA_LOAD_MIN_FLOPS", 0)
-    monkeypatch.setattr(configs, "M_FLAT", False)
+    plan.constrain(tma_load=tma, tma_load_min_flops=0, flat=False)
     target, device_name, _ = _launch._target(torch.device(DEVICE))
     default = configs.candidates("m_grouped", target)[0]
-    inner = configs.pick_config
-    monkeypatch.setattr(
-        configs, "pick_config", lambda op, *a, **kw: default if op == "m_grouped" else inner(op, *a, **kw)
-    )
+    plan.constrain(config=lambda op, problem, target, picked: default if op == "m_grouped" else picked)
     return target, device_name, default, record_launches(monkeypatch, "m_grouped")
 
 
@@ -372,7 +361,7 @@ def test_mixed_m_half_tiles_match_full_tiles(monkeypatch, layout, tma):
     gs = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
     outs = {}
     for mixed in (True, False):
-        monkeypatch.setattr(configs, "MIXED_M", mixed)
+        plan.constrain(mixed_m=mixed)
         _launch.clear_launch_cache()
         outs[mixed] = m_grouped_mm(x, w, gs, bias=b)
         assert _launch._m_launch(*calls[-1][1]).meta["MIXED_M"] == mixed
@@ -422,11 +411,13 @@ def test_tail_split_halves_match_whole_tiles(monkeypatch, layout, tma):
             transpose_w = False
         b = (torch.randn(len(sizes), N) + 3).to(dtype=torch.bfloat16, device=DEVICE)
         gs = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
-        monkeypatch.setattr(_launch, "_target", lambda device, p=programs: (target, device_name, p))
+        monkeypatch.setattr(
+            _launch, "_target", lambda device, p=programs: plan.Target(target, device_name, p)
+        )
         what = f"tail split {layout} {tma} sizes {sizes} tail {tail}"
         outs = {}
         for split in (True, False):
-            monkeypatch.setattr(configs, "TAIL_SPLIT", split)
+            plan.constrain(tail_split=split)
             _launch.clear_launch_cache()
             out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEVICE)
             _launch.launch_m_grouped(x, w, gs, out, bias=b, transpose_w=transpose_w)
@@ -492,7 +483,8 @@ def test_flat_rule():
 
 def test_mixed_m_rule():
     """Where the GPU runs half-high tail tiles: 128-row configs, K <= MIXED_M_MAX_K, K and N multiples of 16
-    (odd rows miscomputed on the H100, perf-notes 27); the interpreter runs them on any tile."""
+    (odd rows miscomputed on the H100, docs/design.md, 'Mixed tile heights'); the interpreter runs them on any
+    tile."""
     from moegemm._src import configs
     from moegemm._src.kernels import m_grouped
 
@@ -518,7 +510,7 @@ def test_mixed_m_needs_aligned_rows(monkeypatch):
     an x view with 40-element rows (K = 32) launches without them, the same x contiguous with them."""
     from moegemm._src.torch import launch as _launch
 
-    monkeypatch.setattr(_launch, "TMA_LOAD", False)
+    plan.constrain(tma_load=False)
     calls = record_launches(monkeypatch, "m_grouped")
     _launch.clear_launch_cache()
     wide = torch.randn(64, 40, device=DEVICE, dtype=torch.bfloat16)

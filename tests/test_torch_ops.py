@@ -10,9 +10,10 @@ import pytest
 import torch
 from conftest import BACKENDS, DEVICE, needs_cuda
 
+from moegemm._src.torch import args as api  # the argument handling: CHECK_BY_DEFAULT, resolve_backend
+from moegemm._src.torch.args import resolve_backend
 from moegemm.testing import assert_rel_close
-from moegemm.torch import api, k_grouped_mm, m_grouped_mm
-from moegemm.torch.api import resolve_backend
+from moegemm.torch import k_grouped_mm, m_grouped_mm
 
 SIZES = [9, 0, 14, 6]  # sum 29 < M: rows 29..32 are unowned
 
@@ -256,7 +257,7 @@ def test_check_option_reports_values(sizes, match, monkeypatch):
 
 @pytest.mark.parametrize("value,expected", [("1", True), ("0", False), ("", False)])
 def test_moegemm_check_env_sets_the_default_at_import(value, expected):
-    code = "from moegemm.torch import api; print(api.CHECK_BY_DEFAULT)"
+    code = "from moegemm._src.torch import args; print(args.CHECK_BY_DEFAULT)"
     env = {**os.environ, "MOEGEMM_CHECK": value}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str(expected)
@@ -267,6 +268,31 @@ def test_backend_choice_is_explicit():
         resolve_backend("cutlass", torch.device("cpu"))
     assert resolve_backend("reference", torch.device(DEVICE)) == "reference"
     assert resolve_backend("auto", torch.device(DEVICE)) == "triton"  # CUDA, or CPU under the interpreter
+
+
+def test_public_api_is_declared():
+    """moegemm.torch exports exactly its public names, and its public modules define no other."""
+    import moegemm.torch as mt
+    from moegemm.torch import api as public_api
+    from moegemm.torch import grouped_linear, reference
+
+    assert sorted(mt.__all__) == [
+        "Fp8Tensor",
+        "GroupedLinear",
+        "k_grouped_mm",
+        "k_grouped_mm_reference",
+        "m_grouped_mm",
+        "m_grouped_mm_reference",
+        "quantize_fp8",
+    ]
+    assert all(hasattr(mt, name) for name in mt.__all__)
+    for module in (public_api, grouped_linear, reference):
+        defined = {
+            name
+            for name, value in vars(module).items()
+            if not name.startswith("_") and getattr(value, "__module__", None) == module.__name__
+        }
+        assert defined == set(module.__all__), module.__name__
 
 
 def _host_sizes_ops():

@@ -1,4 +1,5 @@
-"""Tile configurations, kept as data.
+"""Tile configurations, kept as data. The launch planner (``moegemm._src.plan``) is the only caller of the
+``pick_*`` functions; the schedule modes and their gates live there.
 
 ``TABLE`` maps (op, target) to an ordered list of (config, why). The first entry is the default;
 the rest are the autotune candidates. Tuned choices per shape bucket live in the committed cache
@@ -10,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 from pathlib import Path
 
 
@@ -40,12 +40,12 @@ class KGroupedConfig:
     ctas_per_sm: int = 1
     # One flat loop over all reduction steps of a program's tiles instead of a loop per tile: the next
     # tile's loads overlap this tile's store, which pays on short reductions (few rows per expert) and
-    # costs per-step overhead on long ones (k_grouped_mm_kernel's FLAT; docs/perf-notes.md, 17).
+    # costs per-step overhead on long ones (k_grouped_mm_kernel's FLAT; docs/design.md, 'k-grouped kernel').
     # Used for 2-byte outputs only (KGroupedLaunch.make: out_itemsize).
     flat: bool = False
     # With flat: read a and b through TMA descriptors the kernel makes per group (PyTorch on sm90, 2-byte
     # row-major operands with 16-byte aligned rows; other launches load through cp.async). Fewer
-    # instructions per step, a descriptor pair per change of group (docs/perf-notes.md, 25).
+    # instructions per step, a descriptor pair per change of group (docs/design.md, 'TMA loads').
     tma_load: bool = False
 
 
@@ -87,7 +87,7 @@ class QuantizeConfig:
     column loop's tl.range stages.
     Rowwise sweeps: rows per program and columns per step (data); columns per program and rows per
     step (transposed copy); sweep_stages the same for the sweeps. With C and the strides 16-divisible
-    (every real launch) Triton 3.6 pipelines these loops with cp.async (perf-notes 20 corrects 19)."""
+    (every real launch) Triton 3.6 pipelines these loops with cp.async (docs/design.md, 'Quantize')."""
 
     q_rows: int = 32
     t_cols: int = 32
@@ -102,22 +102,6 @@ class QuantizeConfig:
     col_rows: int = 64
     sweep_stages: int = 1
 
-
-# Mixed tile heights in the m-grouped kernel (m_grouped.mixed_m_fits): a group's last row tile runs half as
-# high where at most half its rows are left, so the MMA work on rows past the group's end drops by half there
-# (perf-notes 27). Applies to every config whose half height the tensor cores take; MOEGEMM_MIXED_M=0 turns
-# it off. Read when a launch is first described (clear the front end's launch cache after changing it).
-MIXED_M = os.environ.get("MOEGEMM_MIXED_M", "1") != "0"
-
-# The m-grouped kernel's last, partial round of tiles split into half-high halves on twice as many programs
-# where no program then runs two (m_grouped_mm_kernel, perf-notes 30); same fit as MIXED_M without its
-# bound on K. MOEGEMM_TAIL_SPLIT=0 turns it off; read like MIXED_M.
-TAIL_SPLIT = os.environ.get("MOEGEMM_TAIL_SPLIT", "1") != "0"
-
-# The m-grouped kernel's tiles as one flat loop over all their steps (m_grouped._m_flat_loop) where the launch
-# has TMA loads, no group offset and K <= m_grouped.FLAT_MAX_K (perf-notes 31). MOEGEMM_M_FLAT=0 turns it off;
-# read like MIXED_M.
-M_FLAT = os.environ.get("MOEGEMM_M_FLAT", "1") != "0"
 
 M, K = MGroupedConfig, KGroupedConfig
 TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
@@ -167,9 +151,9 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
     ("m_grouped_fp8_fast", "interpret"): [(M(32, 32, 32, 4, 4, 1), "interpreter: small tiles")],
     ("k_grouped_fp8", "interpret"): [(K(32, 32, 32, 4, 4, 1), "interpreter: small tiles")],
     ("k_grouped_fp8_fast", "interpret"): [(K(32, 32, 32, 4, 4, 1), "interpreter: small tiles")],
-    # Measured on the H100 (docs/perf-notes.md, 13): 2 CTAs/SM won by 1.6-1.9x over one 128 x 256
-    # CTA, since a CTA that waits for its wgmma (to promote or scale the partial sum) leaves the tensor
-    # cores to the other.
+    # Measured on the H100 (docs/design.md, 'FP8 promotion and fast accumulation'): 2 CTAs/SM won by 1.6-1.9x
+    # over one 128 x 256 CTA, since a CTA that waits for its wgmma (to promote or scale the partial sum)
+    # leaves the tensor cores to the other.
     ("m_grouped_fp8", "sm90"): [
         (M(128, 128, 128, 8, 8, 3, 2), "FP8 anchor: 2 CTAs/SM, one promotes while the other multiplies"),
         (M(64, 128, 128, 8, 4, 4, 2), "many-expert shapes: less waste per group, 2 CTAs/SM"),
@@ -185,7 +169,7 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
     ],
     # Fast accumulation: nothing waits for a wgmma inside the loop, so one CTA with the widest tile
     # keeps the tensor cores fed (probe, dsv3-ep8-fc1 fwd: 128 x 256 one CTA 1271 TF/s, 128 x 128 two
-    # CTAs 943; docs/perf-notes.md 13).
+    # CTAs 943; docs/design.md, 'FP8 promotion and fast accumulation').
     ("m_grouped_fp8_fast", "sm90"): [
         (M(128, 256, 128, 8, 8, 3), "FP8 fast anchor: widest tile, one CTA/SM"),
         (M(128, 128, 128, 8, 8, 3, 2), "2 CTAs/SM: one's epilogue under the other's loop"),
@@ -201,14 +185,14 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
         (K(128, 256, 128, 8, 8, 3), "wide N"),
         (K(128, 128, 64, 8, 4, 4, 2), "~128 tokens/expert: half-block steps, deeper pipeline"),
     ],
-    # Measured on the H100 (docs/perf-notes.md 20, fp8-ws-probe-*.json), promoted fwd, TF/s 256 vs 128:
+    # Measured on the H100 (docs/design.md, 'Warp-specialized FP8 kernels'), promoted fwd, TF/s 256 vs 128:
     # dsv3-ep8-fc1 blockwise 899 vs 750, mixtral-fc1 756 vs 683, gptoss-120b-fc1 447 vs 415, but
     # qwen3-30b-fc1 (K 2048) 385 vs 410. pick_fp8_ws_config takes the 128-wide tile below K = 2560.
     ("m_grouped_fp8_ws", "sm90"): [
         (Fp8WsConfig(256, 4), "long K: 128 x 256 halves the L2 bytes per FLOP of 128 x 128"),
         (Fp8WsConfig(128, 6), "short K (<= 2048): less epilogue per tile, deeper ring"),
     ],
-    # The wgrad, measured on the H100 (perf-notes 21, fp8-wgrad-ws-probe-*.jsonl), fp32 dW TF/s 128 vs
+    # The wgrad, measured on the H100 (docs/design.md, 'Warp-specialized FP8 kernels'), fp32 dW TF/s 128 vs
     # 256: dsv3-ep8-fc1 blockwise 477 vs 466 (accumulating 338 vs 361), tensorwise 529 vs 508,
     # qwen3-30b-fc1 126 vs 110. 128 x 128 needs 200 registers a consumer and spills nothing; 128 x 256
     # spills 240 B a thread in the loader (216 to the consumers, weight-side scales read late).
@@ -218,7 +202,8 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
     ],
     # The warp-specialized wgrad (TMA loader, TMA-store epilogue): 4 slots of 64 rows (192 KB) beside one 32 KB
     # staging tile the consumers take turns on; over 3 slots with a staging tile each, +4.5% geomean on all 19
-    # wgrad launches (perf-notes 29); 2 slots ran at 0.63-0.90x torch against 0.92-1.07x for 3 (perf-notes 28).
+    # wgrad launches; 2 slots ran at 0.63-0.90x torch against 0.92-1.07x for 3
+    # (docs/design.md, 'Warp-specialized wgrad').
     ("k_grouped_ws", "sm90"): [
         (WsConfig(256, 64, 4), "128 x 256 x 64, TMA loader and store, 4-deep ring, one shared staging tile"),
     ],
@@ -228,7 +213,7 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
     ("quantize_fp8", "sm90"): [
         (
             QuantizeConfig(),
-            "best of 11 + 7 on 5 suite cases x 3 recipes, H100 (perf-notes 18, fp8-quantize-probe*.json)",
+            "best of 11 + 7 on 5 suite cases x 3 recipes, H100 (docs/design.md, 'Quantize')",
         )
     ],
     ("quantize_fp8", "cuda"): [(QuantizeConfig(), "untuned")],
@@ -339,13 +324,13 @@ def pick_fp8_ws_config(
     measured winner flips, table notes). Tensorwise and rowwise keep the Triton kernel (its split
     accumulator, max_num_imprecise_acc) where groups average under 256 rows and the wide tile would
     run: the only place it lost (gptoss-120b-fc1 dgrad, 128 rows a group, K 5760: 0.94-0.96x;
-    perf-notes 20), the 128-row tile wasting the partial tiles the Triton kernel's tuned 64-row tiles
-    do not.
+    docs/design.md, 'Warp-specialized FP8 kernels'), the 128-row tile wasting the partial tiles the Triton
+    kernel's tuned 64-row tiles do not.
 
     k-grouped (out_itemsize, accumulate: the wgrad's output): the 128 x 128 tile (table notes). Where
     groups average under 512 tokens the Triton kernel keeps 2-byte outputs and tensorwise/rowwise
-    stores, the places it won (perf-notes 21: bf16 out 0.64-0.80x on gptoss-120b-fc1, qwen3-30b-fc1
-    tensorwise 0.93x); fp32 outputs otherwise gain 1.04-1.44x."""
+    stores, the places it won (docs/design.md, 'Warp-specialized FP8 kernels': bf16 out 0.64-0.80x on
+    gptoss-120b-fc1, qwen3-30b-fc1 tensorwise 0.93x); fp32 outputs otherwise gain 1.04-1.44x."""
     if device_name:
         hit = load_cache(device_name).get(cache_key(op, dtype, G, N, K, M))
         if hit is not None:
@@ -363,12 +348,13 @@ def pick_fp8_ws_config(
 
 
 # Mean rows per group above which the warp-specialized wgrad runs, from the suite's wgrad launches on the H100
-# (perf-notes 29, paired clock, the 4-slot ring against the Triton kernel's pick): it won at 256 rows
-# (finegrain-e256, +7.7%), 1024 (dsv3 fc1/fc2 +10-12%, finegrain-e64 +6.6%) and 2048 (mixtral-fc1, +4.1%), and
-# lost at 128 (qwen3-30b fc1/fc2 -4 to -6%, gpt-oss-120b -16%: there 2 CTAs of 128 x 128 a SM hide each other's
-# epilogue, and a 64-row step is half of a group's rows). The threshold sits between the two. No suite launch has
-# more than 2048 rows a group; longer groups only amortize the kernel's per-tile work further, so there is no
-# upper bound. finegrain-e64/e256 stay below the launcher's TMA gate (5e10 FLOPs), so they never route.
+# (docs/design.md, 'Warp-specialized wgrad'; paired clock, the 4-slot ring against the Triton kernel's pick):
+# it won at 256 rows (finegrain-e256, +7.7%), 1024 (dsv3 fc1/fc2 +10-12%, finegrain-e64 +6.6%) and 2048
+# (mixtral-fc1, +4.1%), and lost at 128 (qwen3-30b fc1/fc2 -4 to -6%, gpt-oss-120b -16%: there 2 CTAs of 128 x
+# 128 a SM hide each other's epilogue, and a 64-row step is half of a group's rows). The threshold sits
+# between the two. No suite launch has more than 2048 rows a group; longer groups only amortize the kernel's
+# per-tile work further, so there is no upper bound. finegrain-e64/e256 stay below the launcher's TMA gate
+# (5e10 FLOPs), so they never route.
 K_WS_MIN_ROWS = 192
 
 

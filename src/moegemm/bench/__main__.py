@@ -1,7 +1,14 @@
 """``python -m moegemm.bench`` / ``moegemm-bench``: the grouped-GEMM benchmark CLI.
 
-Without CUDA the CLI sets TRITON_INTERPRET=1 before anything imports triton, so moegemm's kernels run
-under the interpreter on the tiny suite (``shapes.TINY``); timings there only prove the path runs.
+On a GPU it times every (case, op, impl) after checking it, and writes the canonical result of that
+benchmark and device, ``benchmarks/results/<device>/<benchmark>.json`` and ``.png`` (benchmark: bf16,
+bf16-balanced, jax, fp8, fp8-jax, ep, tune; ``--name`` renames it, ``--out`` puts it elsewhere).
+
+Without a GPU it is a correctness job, not a benchmark: the CLI sets TRITON_INTERPRET=1 before anything
+imports triton, moegemm's kernels run under the interpreter on the tiny suite (``shapes.TINY``), and
+every (case, op, impl) is checked against the fp64 oracle. Interpreter timings are not performance, so
+nothing is timed and no ratio, TF/s or roofline floor is printed. The exit status is 1 when a check
+fails. Results go to ``benchmarks/results/cpu-<machine>/``, which git ignores.
 """
 
 from __future__ import annotations
@@ -53,7 +60,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="also time each case-op's implementations taking turns call by call (paired_ms, paired_vs_torch; "
         "default on): immune to clock drift between one implementation's timing block and the next",
     )
-    p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/<device>-<date>.json)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="JSON path (default: the canonical benchmarks/results/<device>/<benchmark>.json, overwritten; "
+        "without a GPU benchmarks/results/cpu-<machine>/<benchmark>.json, ignored by git)",
+    )
+    p.add_argument(
+        "--name",
+        help="benchmark name in the default --out path (default from the mode: bf16, bf16-balanced, jax, "
+        "fp8, fp8-jax, ep, tune; e.g. --name fp8-step for a GroupedLinear step run)",
+    )
     p.add_argument("--plot", type=Path, help="PNG path (default: the JSON path with .png)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument(
@@ -159,49 +176,47 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from moegemm import shapes
-    from moegemm.bench import harness, registry, report, timing
-
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)  # piped or captured: do not fold the table to 80 columns
+    from moegemm.bench import report
+
+    if not cuda:
+        console.print(report.CPU_NOTICE, style="bold yellow", highlight=False)
+
+    from moegemm import shapes
+    from moegemm.bench import harness, registry, timing
+
     device = torch.device("cuda" if cuda else "cpu")
+    env = harness.Environment.detect(device)
     ops = _csv(args.ops)
     if not ops or set(ops) - set(OPS):
         raise SystemExit(f"--ops takes a comma-separated subset of {OPS}, got {args.ops!r}")
     jagged = shapes.parse_jagged(args.jagged_splits) if args.jagged_splits else None
     if jagged is not None and (not jagged or min(jagged) < 0):
         raise SystemExit(f"--jagged-splits needs non-negative sizes, got {args.jagged_splits!r}")
+    if args.tune and not (cuda and torch.cuda.get_device_capability(device) == (9, 0)):
+        raise SystemExit("--tune writes sm90 configs and needs a Hopper (sm90) GPU")
     if args.ep:
         from moegemm.bench import ep
 
-        out = (
-            args.out
-            or Path("benchmarks/results")
-            / f"{harness.Environment.detect(device).device_slug}-{time.strftime('%Y-%m-%d')}-ep.json"
+        out = args.out or report.default_out(env.device, args.name or "ep")
+        records = ep.run(
+            select_cases(args, shapes, cuda), [int(v) for v in _csv(args.ep)], device, out, seed=args.seed
         )
-        ep.run(select_cases(args, shapes, cuda), [int(v) for v in _csv(args.ep)], device, out, seed=args.seed)
-        return 0
+        return 1 if not cuda and any(r["status"].startswith("failed") for r in records) else 0
     if args.fp8 and args.fp8_jax:
         from moegemm.bench import fp8_jax
 
-        out = (
-            args.out
-            or Path("benchmarks/results")
-            / f"{harness.Environment.detect(device).device_slug}-{time.strftime('%Y-%m-%d')}-fp8-jax.json"
-        )
+        out = args.out or report.default_out(env.device, args.name or "fp8-jax")
         fp8_jax.run(select_cases(args, shapes, cuda), ops, _csv(args.fp8_recipes), device, out)
         return 0
     if args.fp8:
         from moegemm._src import configs
         from moegemm.bench import fp8
 
-        out = (
-            args.out
-            or Path("benchmarks/results")
-            / f"{harness.Environment.detect(device).device_slug}-{time.strftime('%Y-%m-%d')}-fp8.json"
-        )
-        fp8.run(
+        out = args.out or report.default_out(env.device, args.name or "fp8")
+        result = fp8.run(
             select_cases(args, shapes, cuda),
             ops,
             _csv(args.fp8_recipes),
@@ -212,9 +227,8 @@ def main(argv=None) -> int:
             tune_dir=(args.cache_dir or configs.CACHE_DIR) if args.tune else None,
             tune_modes=_csv(args.fp8_tune_modes),
         )
-        return 0
+        return 1 if result.get("failed") else 0
     impls = registry.select(_csv(args.impls) or (["moegemm"] if args.tune else None))
-    env = harness.Environment.detect(device)
     spec = harness.RunSpec(
         cases=select_cases(args, shapes, cuda),
         ops=ops,
@@ -225,19 +239,14 @@ def main(argv=None) -> int:
         seed=args.seed,
         jagged=jagged,
         timing=timing.TimingConfig.quick() if args.quick else timing.TimingConfig(),
-        paired=args.paired,
+        paired=args.paired and cuda,
+        check_only=not cuda,
     )
-    if not cuda:
-        console.print(
-            "[yellow]No CUDA: moegemm runs under the Triton interpreter "
-            f"(TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}) on CPU tensors; "
-            "timings are not meaningful.[/]"
-        )
-    if args.tune and not (cuda and torch.cuda.get_device_capability(device) == (9, 0)):
-        raise SystemExit("--tune writes sm90 configs and needs a Hopper (sm90) GPU")
 
-    stem = f"{env.device_slug}-{env.date}" + ("-tune" if args.tune else "")
-    out = args.out or Path("benchmarks/results") / f"{stem}.json"
+    name = args.name or report.bf16_benchmark_name(
+        args.dtype, args.split, _csv(args.impls) or None, jagged=jagged is not None, tune=args.tune
+    )
+    out = args.out or report.default_out(env.device, name)
     meta = _meta(args, argv, env, spec, registry, timing)
 
     def checkpoint(records: list[dict]) -> None:
@@ -287,8 +296,11 @@ def main(argv=None) -> int:
 
     split = records[0]["split"] if records else args.split
     title = f"{env.device} | {args.dtype} | split {split} | torch {env.torch} triton {env.triton}"
+    meta.update(correctness=report.correctness(records), elapsed_s=elapsed, split=split)
+    if spec.check_only:
+        return _finish_check(console, args, out, meta, records, f"{title} | correctness only")
     console.print(report.table(records, title))
-    meta.update(summary=report.summary(records), elapsed_s=elapsed, split=split)
+    meta.update(summary=report.summary(records))
     if not args.tune:
         console.print(report.summary_line(meta["summary"]))
     if args.overhead:
@@ -307,6 +319,19 @@ def main(argv=None) -> int:
         console.print(f"wrote {report.plot(args.plot or path.with_suffix('.png'), records, title)}")
     console.print(f"done in {elapsed:.0f} s")
     return 0
+
+
+def _finish_check(console, args, out: Path, meta: dict, records: list[dict], title: str) -> int:
+    """The end of a check-only (CPU) run: the correctness table and verdict, the JSON; 1 on a failure."""
+    from moegemm.bench import report
+
+    console.print(report.check_table(records, title))
+    console.print(report.correctness_line(meta["correctness"]), highlight=False)
+    if args.overhead:
+        console.print("--overhead: not run without a GPU (it would time the interpreter)")
+    console.print(f"wrote {report.write_json(out, meta, records)}")
+    console.print(f"done in {meta['elapsed_s']:.0f} s")
+    return 1 if meta["correctness"]["failed"] else 0
 
 
 def _model_cli(args) -> int:
@@ -340,9 +365,13 @@ def _model_cli(args) -> int:
 
 
 def _meta(args, argv, env, spec, registry, timing) -> dict:
-    from moegemm.bench import roofline
+    from moegemm.bench import report, roofline
 
+    check_only = spec.check_only
     return {
+        "mode": "correctness" if check_only else "benchmark",
+        "performance": not check_only,
+        "notice": report.CPU_NOTICE if check_only else None,
         "device": env.device,
         "device_slug": env.device_slug,
         "date": env.date,
@@ -359,11 +388,15 @@ def _meta(args, argv, env, spec, registry, timing) -> dict:
         "seed": args.seed,
         "impls": [i.name for i in spec.impls],
         "impls_unavailable": dict(registry.UNAVAILABLE),
-        "timing": timing.method(spec.device) + (" (--quick)" if args.quick else ""),
-        "timing_config": dataclasses.asdict(spec.timing),
-        "roofline": {"peak_flops": roofline.PEAK_FLOPS, "peak_bytes_per_s": roofline.PEAK_BYTES_PER_S},
+        "timing": None if check_only else timing.method(spec.device) + (" (--quick)" if args.quick else ""),
+        "timing_config": None if check_only else dataclasses.asdict(spec.timing),
+        "paired": spec.paired and not check_only,
+        "roofline": None
+        if check_only
+        else {"peak_flops": roofline.PEAK_FLOPS, "peak_bytes_per_s": roofline.PEAK_BYTES_PER_S},
         "cases": {c.name: {"G": c.G, "M": c.M, "K": c.K, "N": c.N} for c in spec.cases},
         "summary": None,
+        "correctness": None,
         "overhead": None,
         "elapsed_s": None,
         "partial": False,

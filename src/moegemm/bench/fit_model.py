@@ -110,8 +110,8 @@ def extend(model: cost_model.Model, data: list[Sample]) -> tuple[cost_model.Mode
     """``model`` plus (a, b) for every config in ``data`` it has no coefficients for, each fitted on that
     config's own samples with everything else held (the other configs' a and b, the op's bw, gamma, c0, p):
     a candidate added later is calibrated without moving the model's choice among the others, which a
-    refit does (perf-notes 26: one refit moved GROUP_M on 30 launches nobody re-measured). Returns the
-    model and the configs added."""
+    refit does (one refit moved GROUP_M on 30 launches nobody re-measured; docs/design.md, 'Cost model').
+    Returns the model and the configs added."""
     from scipy.optimize import least_squares
 
     ops, added = dict(model.ops), []

@@ -12,6 +12,10 @@ The FP8 roofline floor uses the dense tensorwise rate measured in the same run a
 
 Also: the grouped quantize's bandwidth, and a GroupedLinear fwd+bwd step per recipe against BF16
 with its peak memory (``--fp8-step-cases``).
+
+Without a GPU (``check_only``) the run only checks moegemm's FP8 GEMMs under the Triton interpreter:
+interpreter times are not performance, so nothing is timed and the peers, the quantize bandwidth and
+the steps are left out.
 """
 
 from __future__ import annotations
@@ -26,8 +30,7 @@ import torch
 
 from moegemm import shapes
 from moegemm.bench import roofline, timing
-from moegemm.torch import GroupedLinear, k_grouped_mm, m_grouped_mm
-from moegemm.torch.fp8 import k_grouped_mm_fp8, m_grouped_mm_fp8, quantize_fp8
+from moegemm.torch import GroupedLinear, k_grouped_mm, m_grouped_mm, quantize_fp8
 
 RECIPES = ("tensorwise", "rowwise", "blockwise")
 OPS = ("fwd", "dgrad", "wgrad")
@@ -79,14 +82,14 @@ def _wgrad_ref(a, b, sizes):
 def _op_calls(op, fast, x_q, w_q, dy_q, gs, sizes):
     """(moegemm's call, its fp32 reference) for one op on quantized operands."""
     if op == "fwd":
-        fn = lambda: m_grouped_mm_fp8(x_q, w_q, gs, fast_accum=fast)  # noqa: E731
+        fn = lambda: m_grouped_mm(x_q, w_q, gs, fast_accum=fast)  # noqa: E731
         ref = lambda: _grouped_ref(x_q.dequantize(), w_q.dequantize(), sizes)  # noqa: E731
     elif op == "dgrad":
         w_t = w_q.t()
-        fn = lambda: m_grouped_mm_fp8(dy_q, w_t, gs, fast_accum=fast)  # noqa: E731
+        fn = lambda: m_grouped_mm(dy_q, w_t, gs, fast_accum=fast)  # noqa: E731
         ref = lambda: _grouped_ref(dy_q.dequantize(), w_t.dequantize(), sizes)  # noqa: E731
     else:
-        fn = lambda: k_grouped_mm_fp8(dy_q, x_q, gs, fast_accum=fast)  # noqa: E731
+        fn = lambda: k_grouped_mm(dy_q, x_q, gs, fast_accum=fast)  # noqa: E731
         ref = lambda: _wgrad_ref(dy_q.dequantize_t(), x_q.dequantize_t(), sizes)  # noqa: E731
     return fn, ref
 
@@ -94,6 +97,7 @@ def _op_calls(op, fast, x_q, w_q, dy_q, gs, sizes):
 class Fp8Bench:
     def __init__(self, device: torch.device, cfg: timing.TimingConfig, seed: int = 0) -> None:
         self.device, self.cfg, self.seed = device, cfg, seed
+        self.check_only = device.type != "cuda"
         self.rows: list[Row] = []
         self.extra: dict = {"quantize": [], "grouped_linear_step": [], "dense_fp8_tflops": {}, "tune": []}
 
@@ -108,19 +112,21 @@ class Fp8Bench:
         x = torch.randn(M, K, device=self.device, generator=gen).to(torch.bfloat16)
         w = (torch.randn(G, N, K, device=self.device, generator=gen) * K**-0.5).to(torch.bfloat16)
         dy = torch.randn(M, N, device=self.device, generator=gen).to(torch.bfloat16)
-        dense_rate = self.dense(case, ops)
+        dense_rate = None if self.check_only else self.dense(case, ops)
         for op in ops:
-            self.bf16(case, op, x, w, dy, gs)
+            if not self.check_only:
+                self.bf16(case, op, x, w, dy, gs)
         for recipe in recipes:
             x_q = quantize_fp8(x, recipe, group_sizes=gs, transpose=True)
             w_q = quantize_fp8(w, recipe, transpose=True)
             dy_q = quantize_fp8(dy, recipe, group_sizes=gs, transpose=True)
-            self.quantize_bandwidth(case, recipe, x, gs)
+            if not self.check_only:
+                self.quantize_bandwidth(case, recipe, x, gs)
             for op in ops:
                 for fast in (False, True) if recipe != "blockwise" and op != "wgrad" else (False,):
                     self.moegemm(case, op, recipe, fast, x, dy, x_q, w_q, dy_q, gs, sizes, dense_rate)
             del x_q, w_q, dy_q
-        for op in ops:
+        for op in ops if not self.check_only else ():
             if op != "wgrad":
                 self.scaled_grouped_mm(case, op, x, w, dy, sizes)
             else:
@@ -151,7 +157,7 @@ class Fp8Bench:
             qfn = None
         else:
             a, b = (x, w_q) if op == "fwd" else (dy, w_q.t())
-            qfn = lambda: m_grouped_mm_fp8(  # noqa: E731
+            qfn = lambda: m_grouped_mm(  # noqa: E731
                 quantize_fp8(a, recipe, group_sizes=gs, transpose=True), b, gs, fast_accum=fast
             )
         row = Row(case.name, op, impl, recipe)
@@ -159,6 +165,9 @@ class Fp8Bench:
         row.relerr = err
         if not err <= TOLERANCE:
             row.note = f"wrong: relerr {err:.2e}"
+            self.rows.append(row)
+            return
+        if self.check_only:
             self.rows.append(row)
             return
         row.ms = self.time(fn)
@@ -410,8 +419,10 @@ def run(
     for case in cases:
         console.print(f"[bold]{case.name}[/] G={case.G} M={case.M} K={case.K} N={case.N}")
         bench.case(case, ops, recipes)
-    for case in step_cases:
+    for case in step_cases if not bench.check_only else ():
         bench.grouped_linear_step(case)
+    if bench.check_only:
+        return _finish_check(console, bench, out)
     table = Table(title="FP8 grouped GEMMs (device time, median)")
     for col in ("case", "op", "impl", "recipe", "ms", "TF/s", "q+gemm ms", "% floor", "relerr", "note"):
         table.add_column(col)
@@ -451,6 +462,47 @@ def run(
         },
         "rows": [dataclasses.asdict(r) for r in bench.rows],
         **bench.extra,
+    }
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+        console.print(f"wrote {out}")
+    return result
+
+
+def _finish_check(console, bench: Fp8Bench, out: Path | None) -> dict:
+    """The end of a check-only (CPU) run: each FP8 GEMM's error against the dequantized fp32 product."""
+    from rich.table import Table
+
+    from moegemm.bench import report
+
+    table = Table(
+        title=f"FP8 grouped GEMMs under the interpreter, checked (tolerance {TOLERANCE:.0e}; nothing timed)"
+    )
+    for col in ("case", "op", "impl", "recipe", "relerr", "check"):
+        table.add_column(col)
+    for r in bench.rows:
+        check = "FAIL: " + r.note if r.note else "pass"
+        table.add_row(r.case, r.op, r.impl, r.recipe or "", f"{r.relerr:.1e}", check)
+    console.print(table)
+    failed = [r for r in bench.rows if r.note]
+    verdict = "FAIL" if failed else "PASS"
+    console.print(
+        f"correctness {verdict}: {len(bench.rows) - len(failed)}/{len(bench.rows)} within tolerance"
+    )
+    result = {
+        "meta": {
+            "mode": "correctness",
+            "performance": False,
+            "notice": report.CPU_NOTICE,
+            "device": platform.processor() or platform.machine(),
+            "date": datetime.date.today().isoformat(),
+            "torch": torch.__version__,
+            "triton": __import__("triton").__version__,
+            "tolerance": TOLERANCE,
+        },
+        "rows": [dataclasses.asdict(r) for r in bench.rows],
+        "failed": len(failed),
     }
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

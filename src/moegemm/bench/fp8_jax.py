@@ -20,11 +20,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+import moegemm.jax as mj  # noqa: E402
 from moegemm import shapes  # noqa: E402
 from moegemm.bench import timing  # noqa: E402
 from moegemm.jax import api as jax_api  # noqa: E402
-from moegemm.jax import fp8 as jfp8  # noqa: E402
-from moegemm.torch.fp8 import k_grouped_mm_fp8, m_grouped_mm_fp8, quantize_fp8  # noqa: E402
+from moegemm.torch import k_grouped_mm, m_grouped_mm, quantize_fp8  # noqa: E402
 
 
 def _to_jax(t: torch.Tensor) -> jax.Array:
@@ -72,8 +72,8 @@ def _recipe_rows(name: str, recipe: str, ops, x, w, dy, gs, device) -> list[dict
         w=quantize_fp8(w, recipe, transpose=True),
         dy=quantize_fp8(dy, recipe, group_sizes=gs, transpose=True),
     )
-    quant_act = jax.jit(lambda a, s: jfp8.quantize_fp8(a, recipe, group_sizes=s, transpose=True))
-    quant_w = jax.jit(lambda a: jfp8.quantize_fp8(a, recipe, transpose=True))
+    quant_act = jax.jit(lambda a, s: mj.quantize_fp8(a, recipe, group_sizes=s, transpose=True))
+    quant_w = jax.jit(lambda a: mj.quantize_fp8(a, recipe, transpose=True))
     jq = dict(x=quant_act(jx, jgs), w=quant_w(jw), dy=quant_act(jdy, jgs))
     rows = [
         dict(
@@ -86,14 +86,14 @@ def _recipe_rows(name: str, recipe: str, ops, x, w, dy, gs, device) -> list[dict
         )
     ]
     torch_calls = {
-        "fwd": lambda: m_grouped_mm_fp8(tq["x"], tq["w"], gs),
-        "dgrad": lambda: m_grouped_mm_fp8(tq["dy"], tq["w"].t(), gs),
-        "wgrad": lambda: k_grouped_mm_fp8(tq["dy"], tq["x"], gs),
+        "fwd": lambda: m_grouped_mm(tq["x"], tq["w"], gs),
+        "dgrad": lambda: m_grouped_mm(tq["dy"], tq["w"].t(), gs),
+        "wgrad": lambda: k_grouped_mm(tq["dy"], tq["x"], gs),
     }
     jax_fns = {
-        "fwd": (jax.jit(lambda a, b, s: jfp8.m_grouped_mm_fp8(a, b, s)), (jq["x"], jq["w"], jgs)),
-        "dgrad": (jax.jit(lambda a, b, s: jfp8.m_grouped_mm_fp8(a, b.t(), s)), (jq["dy"], jq["w"], jgs)),
-        "wgrad": (jax.jit(lambda a, b, s: jfp8.k_grouped_mm_fp8(a, b, s)), (jq["dy"], jq["x"], jgs)),
+        "fwd": (jax.jit(lambda a, b, s: mj.m_grouped_mm(a, b, s)), (jq["x"], jq["w"], jgs)),
+        "dgrad": (jax.jit(lambda a, b, s: mj.m_grouped_mm(a, b.t(), s)), (jq["dy"], jq["w"], jgs)),
+        "wgrad": (jax.jit(lambda a, b, s: mj.k_grouped_mm(a, b, s)), (jq["dy"], jq["x"], jgs)),
     }
     for op in ops:
         fn, args = jax_fns[op]
@@ -115,9 +115,9 @@ def _recipe_rows(name: str, recipe: str, ops, x, w, dy, gs, device) -> list[dict
     dy32 = jdy.astype(jnp.float32)
 
     # sin keeps the forward GEMM in the step: with a loss linear in the output, XLA drops the forward
-    # custom call (its output feeds nothing), as it did in the first run (2026-11-23, perf-notes 16).
+    # custom call (its output feeds nothing).
     def loss_fp8(a, b, s):
-        return jnp.vdot(jnp.sin(jfp8.ragged_dot_fp8(a, b, s, recipe=recipe).astype(jnp.float32)), dy32)
+        return jnp.vdot(jnp.sin(mj.ragged_dot(a, b, s, fp8_recipe=recipe).astype(jnp.float32)), dy32)
 
     def loss_bf16(a, b, s):
         return jnp.vdot(jnp.sin(jax_api.ragged_dot(a, b, s).astype(jnp.float32)), dy32)

@@ -2,7 +2,9 @@
 
 Correctness comes first: each impl's first output (on input copy 0, output buffers NaN-poisoned) is
 compared with an fp32 oracle (fp64 on CPU) by relative Frobenius error against the dtype's tolerance
-in ``moegemm.testing.REL_TOL``. A failing impl is recorded as failed and not timed.
+in ``moegemm.testing.REL_TOL``. A failing impl is recorded as failed and not timed. A check-only run
+(``RunSpec.check_only``: the CPU main job, where the kernels run under the Triton interpreter and a
+time says nothing about a GPU) stops there: its records carry no time, TF/s or roofline floor.
 """
 
 from __future__ import annotations
@@ -140,10 +142,11 @@ def _reason(exc: BaseException) -> str:
     return text[:300]
 
 
-def base_record(problem: Problem, op: str, impl: str, env: Environment) -> dict:
+def base_record(problem: Problem, op: str, impl: str, env: Environment, *, floor: bool = True) -> dict:
+    """The record's fields before the check; ``floor=False`` (a check-only run) leaves the roofline out."""
     case = problem.case
     itemsize = problem.copies[0].x.element_size()
-    fl = roofline.floor(case, op, itemsize)
+    fl = roofline.floor(case, op, itemsize) if floor else None
     return {
         "case": case.name,
         "op": op,
@@ -159,8 +162,8 @@ def base_record(problem: Problem, op: str, impl: str, env: Environment) -> dict:
         "split": problem.split,
         "ms": None,
         "tflops": None,
-        "floor_tflops": fl.tflops,
-        "floor_bound": fl.bound,
+        "floor_tflops": None if fl is None else fl.tflops,
+        "floor_bound": None if fl is None else fl.bound,
         "pct_floor": None,
         "relerr": None,
         "tol": testing.REL_TOL[problem.dtype],
@@ -186,11 +189,12 @@ def measure(
     tcfg: timing.TimingConfig,
     reference: Callable[[], torch.Tensor],
     keep: dict | None = None,
+    check_only: bool = False,
 ) -> dict:
-    """One record: skipped (reason), failed (error or relerr > tol), or ok (checked, then timed).
-    ``keep``: where an ok measurement on the events clock leaves its callable (impl name -> fn), for
-    the paired timing of ``run``."""
-    rec = base_record(problem, op, impl.name, env)
+    """One record: skipped (reason), failed (error or relerr > tol), or ok (checked, then timed; with
+    ``check_only``, checked and not timed). ``keep``: where an ok measurement on the events clock leaves
+    its callable (impl name -> fn), for the paired timing of ``run``."""
+    rec = base_record(problem, op, impl.name, env, floor=not check_only)
     if impl.name == "moegemm":
         from moegemm.bench.impls_torch import backend_label
 
@@ -224,6 +228,8 @@ def measure(
     rec.update(relerr=err, peak_mb=peak_mb)
     if not err <= rec["tol"]:
         return {**rec, "status": "failed", "reason": f"relerr {err:.3e} > tol {rec['tol']:.1e}"}
+    if check_only:
+        return {**rec, "status": "ok"}
     try:
         ms = timing.median_ms(fn, problem.device, impl.clock, tcfg)
     except Exception as exc:  # noqa: BLE001
@@ -254,7 +260,7 @@ def add_speedups(records: list[dict]) -> None:
     for r in records:
         groups.setdefault((r["case"], r["op"], r["split"]), []).append(r)
     for group in groups.values():
-        ok = [r for r in group if r["status"] == "ok"]
+        ok = [r for r in group if r["status"] == "ok" and r["ms"] is not None]  # check-only: none timed
         for r in ok:
             r["speedup"] = {p["impl"]: p["ms"] / r["ms"] for p in ok if p is not r}
             r["vs_torch"] = r["speedup"].get(TORCH_PEER)
@@ -293,6 +299,9 @@ class RunSpec:
     # Also time the ok implementations of each (case, op) taking turns call by call (timing.paired_ms):
     # paired_ms, paired_speedup and paired_vs_torch beside the per-implementation clocks.
     paired: bool = False
+    # Check every output against the oracle and time nothing (the CPU main job: interpreter times are
+    # not performance); records then hold no ms, TF/s or roofline floor, and paired is ignored.
+    check_only: bool = False
 
     def problem(self, case: shapes.Case) -> Problem:
         """The inputs of ``case`` under this run's device, dtype, split, seed and ops."""
@@ -323,8 +332,19 @@ def run(
             mine = []
             for impl in spec.impls:
                 progress(f"{problem.case.name} {op} {impl.name}")
-                keep = kept if spec.paired else None
-                mine.append(measure(problem, op, impl, env, tcfg=spec.timing, reference=reference, keep=keep))
+                keep = kept if spec.paired and not spec.check_only else None
+                mine.append(
+                    measure(
+                        problem,
+                        op,
+                        impl,
+                        env,
+                        tcfg=spec.timing,
+                        reference=reference,
+                        keep=keep,
+                        check_only=spec.check_only,
+                    )
+                )
             if len(kept) >= 2:
                 progress(f"{problem.case.name} {op} paired")
                 estimate = sum(r["ms"] for r in mine if r["impl"] in kept)
@@ -349,7 +369,7 @@ def _free(device: torch.device) -> None:
 
 def steps(spec: RunSpec) -> int:
     """Progress steps of ``run``: one per (case, op, impl), and one per (case, op) for the paired timing."""
-    return len(spec.cases) * len(spec.ops) * (len(spec.impls) + spec.paired)
+    return len(spec.cases) * len(spec.ops) * (len(spec.impls) + (spec.paired and not spec.check_only))
 
 
 def iter_ok(records: Iterable[dict], impl: str) -> Iterable[dict]:

@@ -10,6 +10,7 @@ import itertools
 
 import torch
 
+from moegemm._src.torch.args import resolve_backend
 from moegemm.bench.problem import exact_fp32
 from moegemm.bench.registry import Impl, register
 from moegemm.torch import api as moegemm_api
@@ -26,7 +27,7 @@ def _cycle(calls):
 
 def backend_label(device: torch.device) -> str:
     """What ``backend="auto"`` resolves to here: "triton", "interpret" or "reference"."""
-    resolved = moegemm_api.resolve_backend("auto", device)
+    resolved = resolve_backend("auto", device)
     return "interpret" if resolved == "triton" and device.type == "cpu" else resolved
 
 

@@ -1,9 +1,16 @@
-"""Everything a run shows or writes: the rich table, the summary line, the JSON file and the plot."""
+"""Everything a run shows or writes: the rich table, the summary line, the JSON file and the plot; on a
+machine without a GPU, the correctness table and line instead (``CPU_NOTICE`` says why).
+
+Where results go: ``default_out`` gives ``benchmarks/results/<device>/<benchmark>.json`` (PNG beside it),
+one canonical file per benchmark per device, overwritten by the next run (git history keeps the rest).
+CPU runs land in ``benchmarks/results/cpu-<machine>/``, which git ignores.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 from moegemm import shapes
@@ -48,6 +55,40 @@ RECORD_FIELDS = (
 )
 SUBJECT = "moegemm"
 GOAL_PCT_FLOOR = 85.0
+RESULTS_DIR = Path("benchmarks/results")
+JAX_IMPLS = ("moegemm-jax", "jax.lax.ragged_dot", "tokamax")  # --impls naming one: the "jax" benchmark
+CPU_NOTICE = (
+    "No GPU: correctness only. Interpreter timings are not performance, so this run times nothing.\n"
+    "moegemm's kernels run under the Triton interpreter on CPU tensors, and every output is checked against "
+    "the reference (relative error vs tolerance)."
+)
+# Memory size and type in a device name: the same chip and board either way (H100 SXM: "NVIDIA H100 80GB
+# HBM3"), so one results folder. Form factors (PCIe, NVL) stay: they run at other clocks and bandwidths.
+_MEMORY_WORD = re.compile(r"^(\d+gb|hbm\d*e?)$")
+
+
+def results_slug(device_name: str) -> str:
+    """The results folder of a device: "NVIDIA H100 80GB HBM3" -> "nvidia-h100", "NVIDIA H200" ->
+    "nvidia-h200", "NVIDIA H100 PCIe" -> "nvidia-h100-pcie", "cpu-x86_64" -> "cpu-x86_64"."""
+    words = re.findall(r"[a-z0-9_]+", device_name.lower())
+    return "-".join(w for w in words if not _MEMORY_WORD.match(w)) or "unknown"
+
+
+def default_out(device_name: str, benchmark: str) -> Path:
+    """``benchmarks/results/<results_slug(device)>/<benchmark>.json`` (relative to the working directory)."""
+    return RESULTS_DIR / results_slug(device_name) / f"{benchmark}.json"
+
+
+def bf16_benchmark_name(dtype: str, split: str, impls: list[str] | None, *, jagged: bool, tune: bool) -> str:
+    """The name a BF16-mode run files its results under: the dtype ("bf16", "fp16"), or "jax" when
+    ``--impls`` names a JAX impl (the front-end comparison; ``impls`` None: every registered impl, the
+    BF16 benchmark); "-<split>" unless the default Dirichlet split; "tune" for ``--tune``."""
+    if tune:
+        return "tune"
+    name = "jax" if any(n in JAX_IMPLS for n in impls or ()) else dtype
+    if jagged:
+        return f"{name}-jagged"
+    return name if split == "dirichlet" else f"{name}-{split}"
 
 
 def _fmt(value, spec: str, none: str = "-") -> str:
@@ -107,6 +148,66 @@ def table(records: list[dict], title: str = ""):
             style=style,
         )
     return t
+
+
+def check_table(records: list[dict], title: str = ""):
+    """The CPU table: each (case, op, impl)'s relative error against the fp64 oracle and its verdict."""
+    from rich.table import Table
+
+    t = Table(title=title, show_lines=False)
+    for col, justify in [
+        ("case", "left"),
+        ("op", "left"),
+        ("impl", "left"),
+        ("relerr", "right"),
+        ("tol", "right"),
+        ("check", "left"),
+        ("note", "left"),
+    ]:
+        t.add_column(col, justify=justify, overflow="fold", no_wrap=col != "note")
+    t.caption = (
+        "relerr: ||out - oracle|| / ||oracle|| (Frobenius, fp64 oracle); check: pass when relerr <= tol"
+    )
+    previous = None
+    for r in records:
+        key = (r["case"], r["op"])
+        first = key != previous
+        if first and previous is not None:
+            t.add_section()
+        previous = key
+        verdict = {"ok": "pass", "failed": "FAIL", "skipped": "skipped"}[r["status"]]
+        t.add_row(
+            r["case"] if first else "",
+            r["op"] if first else "",
+            r["impl"] + (f" [{r['backend']}]" if r.get("backend") else ""),
+            _fmt(r["relerr"], ".1e"),
+            _fmt(r["tol"], ".0e"),
+            verdict,
+            "" if r["status"] == "ok" else r["reason"],
+            style={"ok": None, "failed": "bold red", "skipped": "dim"}[r["status"]],
+        )
+    return t
+
+
+def correctness(records: list[dict]) -> dict:
+    """Counts of a check-only run, and every failure as "case op impl: reason"."""
+    failed = [r for r in records if r["status"] == "failed"]
+    return {
+        "checked": sum(r["status"] != "skipped" for r in records),
+        "passed": sum(r["status"] == "ok" for r in records),
+        "failed": len(failed),
+        "skipped": sum(r["status"] == "skipped" for r in records),
+        "failures": [f"{r['case']} {r['op']} {r['impl']}: {r['reason']}" for r in failed],
+    }
+
+
+def correctness_line(c: dict) -> str:
+    verdict = "PASS" if not c["failed"] else "FAIL"
+    line = (
+        f"correctness {verdict}: {c['passed']}/{c['checked']} (case, op, impl) within tolerance of the fp64 "
+        f"oracle, {c['failed']} failed, {c['skipped']} skipped (impl cannot serve the case)"
+    )
+    return line + "".join(f"\n  failed: {f}" for f in c["failures"])
 
 
 def summary(records: list[dict]) -> dict:

@@ -47,10 +47,10 @@ def median_ms(fn, device: torch.device, clock: str, cfg: TimingConfig) -> float:
 def paired_ms(fns: dict, device: torch.device, cfg: TimingConfig, estimate_ms: float) -> dict:
     """Median ms of each callable in ``fns``, the callables taking turns call by call: a drift of the
     clock over the run (on the H100, up to 10% between two blocks of do_bench of the same kernel,
-    perf-notes 26) then moves every implementation alike instead of whichever was timed in the slow
-    block. As do_bench: warm-up calls, the L2 flushed before each timed call, CUDA events recorded without a
-    sync in between, one sync at the end. ``estimate_ms``: one call of each, summed (sizes the reps to
-    ``cfg.rep_ms`` per implementation). CPU: perf_counter around each call (not meaningful)."""
+    docs/design.md, 'Benchmarks') then moves every implementation alike instead of whichever was timed in the
+    slow block. As do_bench: warm-up calls, the L2 flushed before each timed call, CUDA events recorded
+    without a sync in between, one sync at the end. ``estimate_ms``: one call of each, summed (sizes the reps
+    to ``cfg.rep_ms`` per implementation). CPU: perf_counter around each call (not meaningful)."""
     names = list(fns)
     if device.type != "cuda":
         times = {name: [] for name in names}

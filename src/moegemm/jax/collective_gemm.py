@@ -27,10 +27,12 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 
-from moegemm.jax.sharding.local_ops import REFERENCE_OPS
-from moegemm.jax.sharding.partition import k_grouped_mm_like, named, require_auto_axes
-from moegemm.jax.sharding.per_shard import all_gather
-from moegemm.jax.sharding.plans import Axes, ShardingRuleError, dims, minus, spec, split_weight_axes
+from moegemm.jax.sharding._local_ops import REFERENCE_OPS
+from moegemm.jax.sharding._partition import k_grouped_mm_like, named, require_auto_axes
+from moegemm.jax.sharding._per_shard import all_gather
+from moegemm.jax.sharding._plans import Axes, ShardingRuleError, dims, minus, spec, split_weight_axes
+
+__all__ = ["DENSE_REFERENCE_OPS", "DensePlan", "dense", "plan_dense", "shard_map_dense"]
 
 
 def _reference_matmul(lhs, rhs, preferred_element_type):
@@ -88,7 +90,7 @@ def plan_dense(lhs_spec, rhs_spec, lhs_ndim: int, rhs_ndim: int, rhs_layout: str
     )
 
 
-def dense_local(plan: DensePlan, matmul: Callable, out_dtype, lhs, rhs):
+def _dense_local(plan: DensePlan, matmul: Callable, out_dtype, lhs, rhs):
     """Run `plan` on this shard's blocks; rhs is canonical ([B,] K, N)."""
     rhs = all_gather(all_gather(rhs, plan.rhs_gather[0], rhs.ndim - 2), plan.rhs_gather[1], rhs.ndim - 1)
     reduces = bool(plan.psum or plan.scatter)
@@ -109,7 +111,7 @@ def _stored(dim_axes: tuple[Axes, ...], rhs_layout) -> tuple[Axes, ...]:
     return dim_axes if rhs_layout == "kn" else (*dim_axes[:-2], dim_axes[-1], dim_axes[-2])
 
 
-def n_axes_to_move_to_m(out: tuple[Axes, ...], wanted: tuple[Axes, ...]) -> Axes:
+def _n_axes_to_move_to_m(out: tuple[Axes, ...], wanted: tuple[Axes, ...]) -> Axes:
     """The minor axes of out's N that `wanted` has as the minor axes of M instead, and nothing else
     differs; () if `wanted` is not such a move.
 
@@ -118,7 +120,7 @@ def n_axes_to_move_to_m(out: tuple[Axes, ...], wanted: tuple[Axes, ...]) -> Axes
     wanted=((), ("tp",), ()) -> ("tp",). The partition callback then moves the axis with one
     all-to-all; declaring N and leaving the reshard to XLA makes it warn "Involuntary full
     rematerialization" (jax 0.11). The same move, read backwards, takes an operand propagated with
-    M where the plan wants K: n_axes_to_move_to_m(plan.lhs, lhs's dims).
+    M where the plan wants K: _n_axes_to_move_to_m(plan.lhs, lhs's dims).
     """
     *b, m, n = out
     *wb, wm, wn = wanted
@@ -137,12 +139,12 @@ def _dense_partition(matmul, rhs_layout, out_dtype, mesh, arg_shapes, result_sha
     # lhs sharded on M over the K axes the plan wants (the dgrad of sequence parallelism: dout's M
     # over tp, the weight's N): move them to K here, rather than demand K and leave XLA the reshard.
     lhs_in = dims(lhs.sharding.spec, lhs.ndim)
-    lhs_moved = n_axes_to_move_to_m(plan.lhs, lhs_in)
+    lhs_moved = _n_axes_to_move_to_m(plan.lhs, lhs_in)
     if lhs.shape[-1] % math.prod(mesh.shape[a] for a in plan.lhs[-1]):
         lhs_moved = ()
     out, moved = plan.out, ()
     if isinstance(result_shape.sharding, NamedSharding):
-        moved = n_axes_to_move_to_m(plan.out, dims(result_shape.sharding.spec, lhs.ndim))
+        moved = _n_axes_to_move_to_m(plan.out, dims(result_shape.sharding.spec, lhs.ndim))
         if (M // size) % math.prod(mesh.shape[a] for a in moved):
             moved = ()
         out = (*plan.out[:-2], plan.out[-2] + moved, plan.out[-1][: len(plan.out[-1]) - len(moved)])
@@ -150,7 +152,7 @@ def _dense_partition(matmul, rhs_layout, out_dtype, mesh, arg_shapes, result_sha
     def lower(lhs, rhs):
         if lhs_moved:
             lhs = jax.lax.all_to_all(lhs, lhs_moved, lhs.ndim - 1, lhs.ndim - 2, tiled=True)
-        result = dense_local(plan, matmul, out_dtype, lhs, _swap_kn(rhs, rhs_layout))
+        result = _dense_local(plan, matmul, out_dtype, lhs, _swap_kn(rhs, rhs_layout))
         if moved:
             result = jax.lax.all_to_all(result, moved, result.ndim - 2, result.ndim - 1, tiled=True)
         return result
@@ -246,7 +248,7 @@ def shard_map_dense(
             f"rhs {spec(*_stored(plan.rhs, rhs_layout))} (got {lhs_spec}, {rhs_spec})"
         )
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
-    return dense_local(plan, matmul, out_dtype, lhs, _swap_kn(rhs, rhs_layout))
+    return _dense_local(plan, matmul, out_dtype, lhs, _swap_kn(rhs, rhs_layout))
 
 
 __all__ = ["DENSE_REFERENCE_OPS", "DensePlan", "dense", "plan_dense", "shard_map_dense"]

@@ -25,15 +25,17 @@ import jax.numpy as jnp
 
 from moegemm._src import fp8
 from moegemm.jax import api
-from moegemm.jax import fp8 as jax_fp8
+
+__all__ = ["GroupedDense", "make_ragged_dot_cls"]
 
 
 def make_ragged_dot_cls(*, backend: api.Backend = "auto", fp8_recipe: str | None = None) -> type[nn.Module]:
     """A stateless linen Module class whose instances are called like ``jax.lax.ragged_dot``.
 
     ``fp8_recipe`` ("tensorwise", "rowwise" or "blockwise") switches the layer to FP8: operands are
-    quantized inside, and forward, dgrad and wgrad run on FP8 tensor cores (moegemm.jax.fp8.ragged_dot_fp8;
-    gradients straight through the quantization). The parameters stay in their own dtype.
+    quantized inside, and forward, dgrad and wgrad run on FP8 tensor cores
+    (``moegemm.jax.ragged_dot(..., fp8_recipe=...)``; gradients straight through the quantization).
+    The parameters stay in their own dtype.
     """
     api.resolve_backend(backend)  # fail at model build time, not at the first step
     if fp8_recipe is not None:
@@ -43,18 +45,15 @@ def make_ragged_dot_cls(*, backend: api.Backend = "auto", fp8_recipe: str | None
         def __call__(
             self, lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None
         ):
-            if fp8_recipe is not None:
-                return jax_fp8.ragged_dot_fp8(
-                    lhs,
-                    rhs,
-                    group_sizes,
-                    recipe=fp8_recipe,
-                    group_offset=group_offset,
-                    preferred_element_type=preferred_element_type,
-                    backend=backend,
-                )
             return api.ragged_dot(
-                lhs, rhs, group_sizes, precision, preferred_element_type, group_offset, backend=backend
+                lhs,
+                rhs,
+                group_sizes,
+                precision,
+                preferred_element_type,
+                group_offset,
+                fp8_recipe=fp8_recipe,
+                backend=backend,
             )
 
     suffix = "" if fp8_recipe is None else f"_fp8_{fp8_recipe}"

@@ -235,7 +235,7 @@ KERNELS = {
     ),
     # The candidates without room for the TMA store, with TMA loads: those whose operand ring fits their CTAs
     # per SM (64 x 256 x 64 in 3 stages at 2 CTAs per SM does not, 120 KB each, with or without TMA loads: a
-    # table entry that runs one CTA per SM; no cache entry or model pick uses it, perf-notes 26).
+    # table entry that runs one CTA per SM; no cache entry or model pick uses it).
     **{
         f"m_grouped-{i}-tma-load": (lambda c=config: _m_grouped(c, tma_load=True))
         for i, config in enumerate(configs.candidates("m_grouped", "sm90"))

@@ -1,13 +1,22 @@
-"""PyTorch front end: custom ops with fake impls and autograd, and the GroupedLinear module."""
+"""PyTorch front end: the grouped GEMM ops (high precision or FP8), their reference twins, and GroupedLinear.
 
-from moegemm.torch.api import k_grouped_mm, m_grouped_mm
+m_grouped_mm(x, w, group_sizes)     for g: out[rows(g)] = x[rows(g)] @ w[g]        (fprop, dgrad)
+k_grouped_mm(a, b, group_sizes)     for g: out[g] = a[rows(g)]^T @ b[rows(g)]      (wgrad)
+GroupedLinear(G, K, N)              G nn.Linear experts over contiguous row groups (fp8_recipe=...)
+quantize_fp8(x, recipe, ...)        an Fp8Tensor, which the ops and the twins take in place of a tensor
+"""
+
+from moegemm._src.torch.fp8_tensor import Fp8Tensor
+from moegemm.torch.api import k_grouped_mm, m_grouped_mm, quantize_fp8
 from moegemm.torch.grouped_linear import GroupedLinear
 from moegemm.torch.reference import k_grouped_mm_reference, m_grouped_mm_reference
 
 __all__ = [
+    "Fp8Tensor",
     "GroupedLinear",
     "k_grouped_mm",
-    "m_grouped_mm",
     "k_grouped_mm_reference",
+    "m_grouped_mm",
     "m_grouped_mm_reference",
+    "quantize_fp8",
 ]

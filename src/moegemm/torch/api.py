@@ -1,152 +1,56 @@
-"""Public PyTorch entry points: argument checks, group_sizes placement and backend dispatch.
+"""The public PyTorch ops: argument checks, group_sizes placement and backend dispatch.
 
-Backends: ``"triton"`` runs the Triton kernels (compiled for CUDA tensors; under the interpreter for
-CPU tensors when ``TRITON_INTERPRET=1`` was set before triton was imported); ``"reference"`` runs the
-plain PyTorch twin; ``"auto"`` picks triton for CUDA tensors and for CPU tensors under the
-interpreter, reference otherwise. An explicit choice that cannot be served raises.
+Each op takes high-precision tensors or quantized ones (``Fp8Tensor`` from ``quantize_fp8``, both
+operands quantized with one recipe); the quantized call runs the FP8 kernels. Backends: ``"triton"``
+(the kernels: compiled for CUDA tensors, under the interpreter for CPU tensors when
+``TRITON_INTERPRET=1`` was set before triton was imported), ``"reference"`` (the plain PyTorch twin in
+``moegemm.torch.reference``) and ``"auto"`` (triton where it can run, else reference). An explicit
+choice that cannot be served raises.
+
+A training step in FP8 with y = x @ w[g]^T per group (w [G, N, K], the nn.Linear layout)::
+
+    x_q = quantize_fp8(x, "blockwise", group_sizes=gs, transpose=True)    # data for fprop, data_t for wgrad
+    w_q = quantize_fp8(w, "blockwise", transpose=True)                    # data_t for dgrad
+    y = m_grouped_mm(x_q, w_q, gs)                                         # fprop
+    dy_q = quantize_fp8(dy, "blockwise", group_sizes=gs, transpose=True)
+    dx = m_grouped_mm(dy_q, w_q.t(), gs)                                   # dgrad: dy @ w[g]
+    dw = k_grouped_mm(dy_q, x_q, gs)                                       # wgrad: dy_g^T x_g, [G, N, K]
+
+``GroupedLinear(fp8_recipe=...)`` runs exactly this with autograd.
 """
 
 from __future__ import annotations
 
-import functools
-import numbers
-import os
-from collections.abc import Sequence
-from typing import Literal
-
 import torch
 
-from moegemm._src.torch import launch as _launch
+from moegemm._src import fp8
 from moegemm._src.torch import ops as _ops
+from moegemm._src.torch.args import (
+    FLOAT_DTYPES,
+    FP8_DTYPES,
+    Backend,
+    GroupSizes,
+    as_group_sizes,
+    check_float,
+    check_group_sizes_values,
+    check_out_buffer,
+    check_same,
+    checks_enabled,
+    resolve_backend,
+)
+from moegemm._src.torch.fp8_tensor import Fp8Tensor, check_pair, from_storage
 
-Backend = Literal["auto", "triton", "reference"]
-GroupSizes = torch.Tensor | Sequence[int]
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """The backend that serves ``backend`` for tensors on ``device`` (raises if none can)."""
-    return _resolve_backend(backend, device.type)
-
-
-@functools.cache  # _launch.INTERPRET is fixed when triton is imported, so the answer never changes
-def _resolve_backend(backend: str, device_type: str) -> str:
-    if backend not in ("auto", "triton", "reference"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
-    if backend == "auto":
-        return "triton" if device_type == "cuda" or _launch.INTERPRET else "reference"
-    if backend == "triton" and device_type != "cuda" and not _launch.INTERPRET:
-        raise ValueError(
-            f"backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported; "
-            f"got tensors on {device_type}"
-        )
-    return backend
-
-
-def as_group_sizes(group_sizes: GroupSizes, G: int | None, device: torch.device) -> torch.Tensor:
-    """group_sizes as a 1-D int32/int64 tensor on ``device``, without a host sync.
-
-    Host values (a list or a CPU tensor, pinned or not) are first copied on the host into a pinned
-    buffer the library owns, and that buffer is sent with an async copy. The caller may overwrite its
-    own tensor as soon as the call returns: the kernels never read it. (Copying the caller's pinned
-    tensor directly with non_blocking=True let a later write race the copy behind a busy stream.)
-    PyTorch's pinned-memory allocator keeps the staging buffer alive until the copy has run.
-    """
-    staged = False
-    if not isinstance(group_sizes, torch.Tensor):
-        values = list(group_sizes)
-        if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values):
-            raise TypeError(f"group_sizes must hold integers, got {values[:8]}")
-        group_sizes = torch.tensor(values, dtype=torch.int32, pin_memory=device.type == "cuda")
-        staged = True
-    if group_sizes.dtype not in INDEX_DTYPES:
-        raise TypeError(f"group_sizes must be int32 or int64, got {group_sizes.dtype}")
-    if group_sizes.dim() != 1:
-        raise ValueError(f"group_sizes must be 1-D [G], got shape {tuple(group_sizes.shape)}")
-    count = group_sizes.shape[0]
-    if G is not None and isinstance(count, int) and count != G:
-        raise ValueError(f"group_sizes has {count} entries but the weight has G={G} groups")
-    if G is not None and not isinstance(count, int):
-        # A data-dependent length under torch.compile (e.g. from bincount): a runtime assertion, since
-        # an `if` on it cannot be traced.
-        torch._check_value(count == G, lambda: f"group_sizes must have one entry per group, G={G}")
-    if group_sizes.device != device:
-        if device.type == "cuda" and group_sizes.device.type == "cpu":
-            if not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
-                raise ValueError(
-                    "group_sizes must be a CUDA tensor under CUDA graph capture: a list or CPU tensor would "
-                    "be frozen into the graph, and every replay would reuse this call's sizes"
-                )
-            if not staged:
-                group_sizes = _stage_pinned(group_sizes)
-        group_sizes = group_sizes.to(device, non_blocking=True)
-    return group_sizes if group_sizes.is_contiguous() else group_sizes.contiguous()
-
-
-def _stage_pinned(host: torch.Tensor) -> torch.Tensor:
-    """A pinned copy of a host tensor that only the library holds (see as_group_sizes)."""
-    staged = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
-    return staged.copy_(host)
-
-
-def _check_float(name: str, t: torch.Tensor) -> None:
-    if t.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be bfloat16, float16 or float32, got {t.dtype}")
-
-
-def _check_same(names: str, *tensors: torch.Tensor) -> None:
-    if len({t.dtype for t in tensors}) > 1:
-        raise TypeError(f"{names} must share a dtype, got {[t.dtype for t in tensors]}")
-    if len({t.device for t in tensors}) > 1:
-        raise ValueError(f"{names} must be on one device, got {[str(t.device) for t in tensors]}")
-
-
-# The default of ``check``: MOEGEMM_CHECK=1 in the environment when moegemm is imported. Read once,
-# since os.environ.get costs ~3 us, and it would be paid on every layer call.
-CHECK_BY_DEFAULT = os.environ.get("MOEGEMM_CHECK", "0") not in ("", "0")
-
-
-def check_out_buffer(op: str, out: torch.Tensor, **inputs: torch.Tensor | None) -> None:
-    """Refuses an ``out=`` buffer whose elements alias each other or may share memory with an input:
-    the kernels read the inputs while they write ``out``, so either would be silently wrong."""
-    if torch.compiler.is_compiling():  # fake tensors have no memory to compare
-        return
-    if torch._debug_has_internal_overlap(out) == 1:
-        raise ValueError(
-            f"{op}: out= has elements that share memory (shape {tuple(out.shape)}, strides {out.stride()}, "
-            f"e.g. an expanded tensor); pass a buffer where every element is distinct"
-        )
-    for name, t in inputs.items():
-        if t is not None and torch._C._overlaps(out, t):
-            raise ValueError(
-                f"{op}: out= may share memory with {name} (shape {tuple(t.shape)}); the kernel reads {name} "
-                f"while it writes out, so pass a separate buffer"
-            )
-
-
-def checks_enabled(check: bool | None) -> bool:
-    return check if check is not None else CHECK_BY_DEFAULT
-
-
-def check_group_sizes_values(group_sizes: torch.Tensor, M: int) -> None:
-    """The syncing check: every size >= 0 and sum <= M. Raises ValueError with the values."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("check=True syncs the host and cannot run inside CUDA graph capture")
-    sizes = group_sizes.tolist()
-    negative = [(g, s) for g, s in enumerate(sizes) if s < 0]
-    if negative:
-        raise ValueError(f"group_sizes has negative entries (group, size): {negative[:8]}")
-    if sum(sizes) > M:
-        raise ValueError(f"sum(group_sizes) = {sum(sizes)} exceeds the {M} rows of the input; sizes={sizes}")
+__all__ = ["k_grouped_mm", "m_grouped_mm", "quantize_fp8"]
 
 
 def m_grouped_mm(
-    x: torch.Tensor,
-    w: torch.Tensor,
+    x: torch.Tensor | Fp8Tensor,
+    w: torch.Tensor | Fp8Tensor,
     group_sizes: GroupSizes,
     *,
     bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    fast_accum: bool = False,
     check: bool | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
@@ -159,17 +63,29 @@ def m_grouped_mm(
     accumulation; rows at or past sum(group_sizes) are 0 (no bias). Differentiable in x, w and bias.
     ``check=True`` (or MOEGEMM_CHECK=1) syncs to validate sizes >= 0 and sum <= M; without it, bad
     device-side sizes are clamped (negative -> 0, offsets -> M), never read or written out of bounds.
+
+    Quantized operands: x an Fp8Tensor of activations [M, K] and w one of a weight [G, N, K] (quantized
+    along K, the nn.Linear layout, so the product is ``x[rows(g)] @ w[g]^T``; ``w_q.t()`` for dgrad),
+    one recipe. out in ``out_dtype`` (bf16 by default; fp16, fp32), fp32 accumulation; differentiable
+    in bias only. ``fast_accum`` lets the tensor cores accumulate all of K (faster, less accurate, as
+    torch's use_fast_accum); by default partial sums reach fp32 every 128 of K. Tensorwise x with
+    per-group scales must have been quantized with G groups.
     """
-    _check_float("x", x)
-    _check_float("w", w)
-    _check_same("x and w", x, w)
+    if x.dtype not in FLOAT_DTYPES or w.dtype not in FLOAT_DTYPES:  # quantized operands, or a bad dtype
+        return _m_grouped_mm_fp8(x, w, group_sizes, bias, out_dtype, fast_accum, check, backend)
+    check_same("x and w", x, w)
+    if fast_accum or (out_dtype is not None and out_dtype != x.dtype):
+        raise ValueError(
+            f"m_grouped_mm: fast_accum and out_dtype (got {fast_accum}, {out_dtype}) are options of quantized "
+            f"operands; high-precision x and w give out in their dtype ({x.dtype})"
+        )
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[1]:
         raise ValueError(
             f"m_grouped_mm expects x [M, K] and w [G, K, N] with matching K; got x {tuple(x.shape)}, "
             f"w {tuple(w.shape)} (pass an nn.Linear-layout weight [G, N, K] as w.mT)"
         )
     if bias is not None:
-        _check_same("x, w and bias", x, w, bias)
+        check_same("x, w and bias", x, w, bias)
         if tuple(bias.shape) != (w.shape[0], w.shape[2]):
             raise ValueError(
                 f"bias must be [G, N] = {(w.shape[0], w.shape[2])} for w {tuple(w.shape)}, got {tuple(bias.shape)}"
@@ -181,13 +97,14 @@ def m_grouped_mm(
 
 
 def k_grouped_mm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    group_sizes: GroupSizes,
+    a: torch.Tensor | Fp8Tensor,
+    b: torch.Tensor | Fp8Tensor,
+    group_sizes: GroupSizes | None,
     *,
     out: torch.Tensor | None = None,
     accumulate: bool = False,
     out_dtype: torch.dtype = torch.float32,
+    fast_accum: bool = False,
     check: bool | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
@@ -201,10 +118,17 @@ def k_grouped_mm(
     written (its bits, -0.0 and NaN included, stay as they were). Differentiable in a and b when
     out is None; like torch's own out= variants, the ``out=`` form is not differentiable and
     raises if autograd would have to record it.
+
+    Quantized operands: a [M, K] and b [M, N] Fp8Tensors of activations quantized with one recipe,
+    ``transpose=True`` and the same ``group_sizes`` tensor (their transposed copies, which the kernel
+    reads, are laid out by it); group_sizes is that tensor or None. For dW of y = x @ w^T:
+    ``k_grouped_mm(dy_q, x_q, gs)`` gives [G, N, K]. ``fast_accum`` as in m_grouped_mm. Not differentiable.
     """
-    _check_float("a", a)
-    _check_float("b", b)
-    _check_same("a and b", a, b)
+    if a.dtype not in FLOAT_DTYPES or b.dtype not in FLOAT_DTYPES:  # quantized operands, or a bad dtype
+        return _k_grouped_mm_fp8(a, b, group_sizes, out, accumulate, out_dtype, fast_accum, check, backend)
+    check_same("a and b", a, b)
+    if fast_accum:
+        raise ValueError("k_grouped_mm: fast_accum is an option of quantized operands (Fp8Tensor)")
     if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0]:
         raise ValueError(
             f"k_grouped_mm expects a [M, K] and b [M, N] with the same M; got a {tuple(a.shape)}, "
@@ -237,4 +161,143 @@ def k_grouped_mm(
         )
     check_out_buffer("k_grouped_mm", out, a=a, b=b, group_sizes=group_sizes)
     _ops.k_grouped_out(a, b, group_sizes, out, accumulate, backend)
+    return out
+
+
+def _check_high(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be bfloat16, float16 or float32 to quantize, got {t.dtype}")
+
+
+def quantize_fp8(
+    x: torch.Tensor,
+    recipe: fp8.Recipe,
+    *,
+    group_sizes: GroupSizes | None = None,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    transpose: bool = False,
+    check: bool | None = None,
+    backend: Backend = "auto",
+) -> Fp8Tensor:
+    """Quantizes activations x [M, K] (rows grouped by ``group_sizes``) or a weight x [G, N, K].
+
+    One scale per block of the recipe, ``scale = amax / max(dtype)`` (current scaling; an all-zero
+    block gets scale 1), data = round-to-nearest-even(x / scale). ``transpose`` also writes the
+    transposed copy the other GEMM needs (wgrad for activations, dgrad for a weight) in the same
+    kernel. No host sync; ``check=True`` (or MOEGEMM_CHECK=1) syncs to refuse inf/NaN inputs and
+    bad sizes. Tensorwise activations get one scale per group when ``group_sizes`` is given.
+    """
+    fp8.check_recipe(recipe)
+    _check_high("x", x)
+    if dtype not in FP8_DTYPES:
+        raise TypeError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    if x.dim() == 3:
+        if group_sizes is not None:
+            raise ValueError(
+                "a weight [G, N, K] is grouped by its first dimension; group_sizes is for activations"
+            )
+        G = x.shape[0]
+        sizes = None
+    elif x.dim() == 2:
+        sizes = None if group_sizes is None else as_group_sizes(group_sizes, None, x.device)
+        G = 1 if sizes is None else sizes.shape[0]
+    else:
+        raise ValueError(
+            f"quantize_fp8 takes activations [M, K] or a weight [G, N, K], got shape {tuple(x.shape)}"
+        )
+    if checks_enabled(check):
+        if sizes is not None:
+            check_group_sizes_values(sizes, x.shape[0])
+        bad = int((~torch.isfinite(x)).sum())
+        if bad:
+            raise ValueError(
+                f"quantize_fp8: x {tuple(x.shape)} has {bad} inf/NaN values; its scale would be inf/NaN"
+            )
+    backend = resolve_backend(backend, x.device)
+    if x.dim() == 3 and x.stride(0) != x.shape[1] * x.stride(1):
+        x = x.contiguous()  # the kernels see a weight as [G * N, K] rows
+    data_s, scale_s, data_t_s, scale_t_s = _ops.quantize(x, sizes, recipe, dtype, transpose, G, backend)
+    return from_storage(x, sizes, recipe, transpose, data_s, scale_s, data_t_s, scale_t_s)
+
+
+def _check_quantized_pair(op: str, a: tuple[str, object], b: tuple[str, object]) -> None:
+    if not isinstance(a[1], Fp8Tensor) and not isinstance(b[1], Fp8Tensor):  # high precision, a bad dtype
+        check_float(*a)
+        check_float(*b)
+    check_pair(op, a, b)
+
+
+def _m_grouped_mm_fp8(x_q, w_q, group_sizes, bias, out_dtype, fast_accum, check, backend) -> torch.Tensor:
+    """m_grouped_mm of quantized operands (see its docstring)."""
+    _check_quantized_pair("m_grouped_mm", ("x", x_q), ("w", w_q))
+    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+    if x_q.is_weight or not w_q.is_weight or x_q.shape[1] != w_q.shape[2]:
+        raise ValueError(
+            f"m_grouped_mm expects quantized activations [M, K] and a weight [G, N, K] with matching K; got "
+            f"{x_q.shape} and {w_q.shape}"
+        )
+    G, N, _ = w_q.shape
+    if x_q.recipe == "tensorwise" and x_q.scale.numel() not in (1, G):
+        raise ValueError(
+            f"tensorwise x_q has {x_q.scale.numel()} group scales but the weight has G={G} groups"
+        )
+    if out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+    if bias is not None and (tuple(bias.shape) != (G, N) or bias.device != x_q.data.device):
+        raise ValueError(
+            f"bias must be [G, N] = {(G, N)} on {x_q.data.device}, got {tuple(bias.shape)} on {bias.device}"
+        )
+    sizes = as_group_sizes(group_sizes, G, x_q.data.device)
+    if checks_enabled(check):
+        check_group_sizes_values(sizes, x_q.shape[0])
+    backend = resolve_backend(backend, x_q.data.device)
+    return _ops.m_grouped_fp8(
+        x_q.data, x_q.scale, w_q.data, w_q.scale, sizes, bias, x_q.recipe, out_dtype, fast_accum, backend
+    )
+
+
+def _k_grouped_mm_fp8(
+    a_q, b_q, group_sizes, out, accumulate, out_dtype, fast_accum, check, backend
+) -> torch.Tensor:
+    """k_grouped_mm of quantized operands (see its docstring)."""
+    _check_quantized_pair("k_grouped_mm", ("a", a_q), ("b", b_q))
+    if a_q.is_weight or b_q.is_weight or a_q.shape[0] != b_q.shape[0]:
+        raise ValueError(
+            f"k_grouped_mm expects activations [M, Ka] and [M, Nb]; got {a_q.shape} and {b_q.shape}"
+        )
+    if a_q.data_t is None or b_q.data_t is None:
+        raise ValueError(
+            "k_grouped_mm reads the transposed copies: quantize both operands with transpose=True"
+        )
+    if a_q.group_sizes is None or a_q.group_sizes is not b_q.group_sizes:
+        raise ValueError(
+            "k_grouped_mm: quantize a and b with the same group_sizes tensor (their transposed copies are "
+            "laid out group by group)"
+        )
+    sizes = a_q.group_sizes
+    if group_sizes is not None and group_sizes is not sizes:
+        raise ValueError(
+            "k_grouped_mm: group_sizes must be the tensor the operands were quantized with "
+            "(Fp8Tensor.group_sizes), or None"
+        )
+    M = a_q.shape[0]
+    G, K, N = sizes.shape[0], a_q.shape[1], b_q.shape[1]
+    if checks_enabled(check):
+        check_group_sizes_values(sizes, M)
+    backend = resolve_backend(backend, a_q.data.device)
+    args = (a_q.data_t, a_q.scale_t, b_q.data_t, b_q.scale_t, sizes, M, a_q.recipe, fast_accum, backend)
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True needs out=, the fp32 buffer to accumulate into")
+        if out_dtype not in FLOAT_DTYPES:
+            raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+        return _ops.k_grouped_fp8(*args, out_dtype)
+    if tuple(out.shape) != (G, K, N) or out.device != a_q.data.device:
+        raise ValueError(
+            f"out must be [G, Ka, Nb] = {(G, K, N)} on {a_q.data.device}, got {tuple(out.shape)} on {out.device}"
+        )
+    if out.dtype not in FLOAT_DTYPES or (accumulate and out.dtype != torch.float32):
+        raise TypeError(f"out must be float32 to accumulate (bf16/fp16 allowed otherwise), got {out.dtype}")
+    check_out_buffer("k_grouped_mm", out, a=a_q.data_t, b=b_q.data_t)
+    _ops.k_grouped_fp8_out(*args[:6], out, accumulate, *args[6:])
     return out

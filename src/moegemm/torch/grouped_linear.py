@@ -12,6 +12,21 @@ Forward is one launch and backward two (dgrad; wgrad with dbias). Every launch r
 the device, so forward and backward never sync the host when group_sizes is a CUDA tensor
 (CUDA-graph capturable).
 
+With ``fp8_recipe`` the same Function runs the GEMMs on quantized operands (``moegemm.torch.api``)::
+
+    x_q = quantize(x, recipe, group_sizes, transpose=True)   # data: fprop; data_t: wgrad (rowwise and
+                                                             # blockwise: data_t made after the fprop)
+    w_q = quantize(weight, recipe, transpose=True)           # cached while the weight is unchanged
+    y   = m_grouped_mm(x_q, w_q) + bias                      # bias in the epilogue, y in x's dtype
+    dy_q = quantize(dy, recipe, group_sizes, dtype=grad_dtype, transpose=True)
+    dx  = m_grouped_mm(dy_q, w_q.t())                        # dgrad
+    dW  = k_grouped_mm(dy_q, x_q)  (or += into main_grad)    # wgrad, fp32 accumulation
+    dbias = column sums of dy (high precision, the BF16 kernel)
+
+The FP8 forward saves only the transposed FP8 copies the backward reads (x's for wgrad, the weight's
+for dgrad): half the bytes of the BF16 path's saved x. The master weight, bias and main_grad stay in
+high precision; their gradients are ordinary autograd gradients.
+
 torch.compile(fullgraph=True) traces the module (the autograd.Function calls only custom ops), also
 with fuse_wgrad_accumulation. delay_wgrad_compute hands (x, dy) from the backward to backward_dw()
 through Python state, which Dynamo cannot trace: compile it without fullgraph (one graph break).
@@ -19,15 +34,18 @@ through Python state, which Dynamo cannot trace: compile it without fullgraph (o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from moegemm._src import fp8
 from moegemm._src.torch import ops as _ops
-from moegemm.torch.api import (
+from moegemm._src.torch.args import (
     FLOAT_DTYPES,
+    FP8_DTYPES,
     Backend,
     GroupSizes,
     as_group_sizes,
@@ -35,13 +53,6 @@ from moegemm.torch.api import (
     check_out_buffer,
     checks_enabled,
     resolve_backend,
-)
-from moegemm.torch.grouped_linear_fp8 import (
-    Fp8GroupedLinearFunction,
-    Fp8Settings,
-    Fp8WeightCache,
-    check_recipe,
-    quantize_weight,
 )
 
 __all__ = ["GroupedLinear"]
@@ -62,6 +73,73 @@ def _dummy_wgrad(weight: torch.Tensor, zero: bool) -> torch.Tensor:
     return _DUMMY_WGRADS[key]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Fp8Settings:
+    """recipe: "tensorwise", "rowwise" or "blockwise". grad_dtype: dy's format (float8_e5m2 is TE's
+    "hybrid"). fprop_fast_accum: fprop accumulates on the tensor cores without promotion (TE's fprop
+    default); dgrad and wgrad always promote to fp32 every 128 of K (TE's split accumulator)."""
+
+    recipe: str
+    grad_dtype: torch.dtype = torch.float8_e4m3fn
+    fprop_fast_accum: bool = True
+
+
+class _Fp8WeightCache:
+    """The weight's quantized copy, reused while the weight is unchanged.
+
+    Valid while ``weight._version`` (bumped by every in-place update: optimizer steps, copy_, zero_)
+    and its storage are those it was made from, so a stale copy is never used. ``refresh`` forces a
+    new one (TE's ``is_first_microbatch=True``); ``reuse`` takes the cached copy without the check
+    (``is_first_microbatch=False``).
+    """
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.storage: tuple[torch.Tensor, ...] | None = None
+
+    def get(self, weight: torch.Tensor, settings: _Fp8Settings, backend: str, *, refresh: bool, reuse: bool):
+        key = (weight._version, weight.data_ptr(), weight.device, settings.recipe, backend)
+        if reuse and self.storage is not None:
+            return self.storage
+        if refresh or self.key != key or self.storage is None:
+            self.storage = _quantize_weight(weight, settings, backend)
+            self.key = key
+        return self.storage
+
+    def clear(self) -> None:
+        self.key = self.storage = None
+
+
+def _quantize_weight(weight: torch.Tensor, settings: _Fp8Settings, backend: str):
+    """(data, scale, data_t, scale_t) of a [G, N, K] weight in e4m3, as views (see moegemm._src.fp8)."""
+    with torch.no_grad():
+        G, N, K = weight.shape
+        data_s, scale_s, data_t_s, scale_t_s = _ops.quantize(
+            weight.detach(), None, settings.recipe, torch.float8_e4m3fn, True, G, backend
+        )
+    recipe = settings.recipe
+    scale_t = (
+        scale_t_s if recipe == "rowwise" else scale_s if recipe == "tensorwise" else scale_s.transpose(1, 2)
+    )
+    return data_s[..., :K], scale_s, data_t_s[..., :N], scale_t
+
+
+def _quantize_activation(
+    t, group_sizes, settings: _Fp8Settings, dtype, transpose: bool, backend: str, data: bool = True
+):
+    """(data, scale, data_t, scale_t) of activations t; data=False (rowwise, blockwise): the
+    transposed copy alone, data and scale None."""
+    G = group_sizes.shape[0]
+    data_s, scale_s, data_t_s, scale_t_s = _ops.quantize(
+        t, group_sizes, settings.recipe, dtype, transpose, G, backend, data
+    )
+    scale_t = scale_s if settings.recipe == "tensorwise" else scale_t_s
+    if not data:
+        return None, None, data_t_s, scale_t
+    scale = scale_s.T if settings.recipe == "blockwise" else scale_s
+    return data_s[:, : t.shape[1]], scale, data_t_s, scale_t
+
+
 class _State:
     """delay_wgrad_compute: what the backward leaves for backward_dw() (x, dy, group_sizes, main_grad, ...)."""
 
@@ -79,10 +157,18 @@ class _GroupedLinearFunction(torch.autograd.Function):
     went to the buffer and x got none. The old contents of out are overwritten, so their gradient,
     the first one returned, is zero: a real (expanded, allocation-free) zero, since CopySlices
     drops the whole base's gradient, not only the slice's, when it gets None.
+
+    ``delay_state`` is the module's _State with delay_wgrad_compute (the backward leaves the weight
+    gradient there for backward_dw), else None; ``fp8`` is None, or (settings, the quantized weight)
+    with fp8_recipe, which runs the FP8 steps of the module docstring.
     """
 
     @staticmethod
-    def forward(ctx, out, x, weight, bias, group_sizes, main_grad, dummy_wgrad, backend, delay, state):
+    def forward(ctx, out, x, weight, bias, group_sizes, main_grad, dummy_wgrad, backend, delay_state, fp8):
+        if fp8 is not None:  # (settings, the quantized weight)
+            return _fp8_forward(
+                ctx, out, x, weight, bias, group_sizes, main_grad, dummy_wgrad, backend, delay_state, *fp8
+            )
         if out is None:
             y = _ops.m_grouped(x, weight, group_sizes, bias, backend, transpose_w=True)
         else:
@@ -96,24 +182,26 @@ class _GroupedLinearFunction(torch.autograd.Function):
         # main_grad is given only with fuse_wgrad_accumulation.
         ctx.main_grad, ctx.dummy_wgrad = main_grad, dummy_wgrad
         bias_dtype = bias.dtype if bias is not None and need_b else None
-        ctx.meta = (backend, delay, state, bias_dtype, weight.dtype)
+        ctx.meta = (backend, delay_state, bias_dtype, weight.dtype, None)
         return y
 
     @staticmethod
     def backward(ctx, dy):
+        backend, delay_state, bias_dtype, w_dtype, fp8_meta = ctx.meta
+        if fp8_meta is not None:
+            return _fp8_backward(ctx, dy)
         x, weight, group_sizes = ctx.saved_tensors
-        backend, delay, state, bias_dtype, w_dtype = ctx.meta
         need_w = ctx.needs_input_grad[2]
         # dx[rows(g)] = dy[rows(g)] @ W[g]: the stored [G, N, K] weight is already the [G, K', N'] operand.
         dx = _ops.m_grouped(dy, weight, group_sizes, None, backend) if ctx.needs_input_grad[1] else None
         wgrad = (x, dy, group_sizes, ctx.main_grad, need_w, bias_dtype, w_dtype, backend)
-        if delay and (need_w or bias_dtype is not None):
-            if state.pending is not None:
+        if delay_state is not None and (need_w or bias_dtype is not None):
+            if delay_state.pending is not None:
                 raise RuntimeError(
                     "GroupedLinear(delay_wgrad_compute=True): a second backward ran before backward_dw() "
                     "consumed the first one's weight gradient"
                 )
-            state.pending = (_weight_grads, wgrad, need_w)
+            delay_state.pending = (_weight_grads, wgrad, need_w)
             return _overwritten_grad(ctx, dy), dx, *[None] * 8
         dw, db = _weight_grads(*wgrad)
         if need_w and ctx.main_grad is not None and ctx.dummy_wgrad is not None:
@@ -141,6 +229,133 @@ def _weight_grads(x, dy, group_sizes, main_grad, need_w, bias_dtype, w_dtype, ba
     )
 
 
+def _fp8_forward(
+    ctx, out, x, weight, bias, group_sizes, main_grad, dummy_wgrad, backend, delay_state, settings, w_q
+):
+    """_GroupedLinearFunction.forward with fp8_recipe (the module docstring's FP8 steps)."""
+    need_x, need_w, need_b = ctx.needs_input_grad[1:4]
+    recipe = settings.recipe
+    # Rowwise and blockwise make x's transposed copy (what the backward keeps) after the GEMM, once
+    # x's FP8 data is freed, so the two never coexist with y: the forward's peak holds one FP8 copy
+    # of x. Tensorwise quantizes both in one call (its copy shares the group scales of one amax pass).
+    split = need_w and recipe != "tensorwise"
+    x_data, x_scale, x_t, x_scale_t = _quantize_activation(
+        x, group_sizes, settings, torch.float8_e4m3fn, need_w and not split, backend
+    )
+    w_data, w_scale, w_t, w_scale_t = w_q
+    y = _ops.m_grouped_fp8(
+        x_data,
+        x_scale,
+        w_data,
+        w_scale,
+        group_sizes,
+        bias,
+        recipe,
+        x.dtype,
+        settings.fprop_fast_accum,
+        backend,
+    )
+    del x_data, x_scale
+    if split:
+        _, _, x_t, x_scale_t = _quantize_activation(
+            x, group_sizes, settings, torch.float8_e4m3fn, True, backend, data=False
+        )
+    if out is not None:
+        # The FP8 kernel has no out= form yet: one [M, N] temporary, copied.
+        y = out.copy_(y)
+        ctx.mark_dirty(out)
+    ctx.save_for_backward(
+        x_t if need_w else None,
+        x_scale_t if need_w else None,
+        w_t if need_x else None,
+        w_scale_t if need_x else None,
+        group_sizes,
+    )
+    ctx.main_grad, ctx.dummy_wgrad = main_grad, dummy_wgrad
+    bias_dtype = bias.dtype if bias is not None and need_b else None
+    ctx.meta = (backend, delay_state, bias_dtype, weight.dtype, (x.dtype, x.shape[0], settings))
+    return y
+
+
+def _fp8_backward(ctx, dy):
+    """_GroupedLinearFunction.backward with fp8_recipe."""
+    x_t, x_scale_t, w_t, w_scale_t, group_sizes = ctx.saved_tensors
+    backend, delay_state, bias_dtype, w_dtype, (x_dtype, M, settings) = ctx.meta
+    need_x, need_w = ctx.needs_input_grad[1:3]
+    dy = dy.contiguous()
+    dy_data, dy_scale, dy_t, dy_scale_t = _quantize_activation(
+        dy, group_sizes, settings, settings.grad_dtype, need_w, backend
+    )
+    wgrad = [
+        dy,
+        dy_t,
+        dy_scale_t,
+        x_t,
+        x_scale_t,
+        group_sizes,
+        M,
+        ctx.main_grad,
+        need_w,
+        bias_dtype,
+        w_dtype,
+        settings.recipe,
+        backend,
+    ]
+    del dy_t, dy_scale_t
+    dw = db = None
+    delayed = delay_state is not None and (need_w or bias_dtype is not None)
+    if delayed:
+        if delay_state.pending is not None:
+            raise RuntimeError(
+                "GroupedLinear(delay_wgrad_compute=True): a second backward ran before backward_dw() "
+                "consumed the first one's weight gradient"
+            )
+        delay_state.pending = (_weight_grads_fp8, tuple(wgrad), need_w)
+    else:
+        # The wgrad runs first so that dy's transposed copy is freed before dgrad allocates dx: the
+        # step's peak holds one of dy's two FP8 copies, not both.
+        dw, db = _weight_grads_fp8(*wgrad)
+        if need_w and ctx.main_grad is not None and ctx.dummy_wgrad is not None:
+            dw = ctx.dummy_wgrad.detach()
+    wgrad.clear()
+    dx = None
+    if need_x:
+        dx = _ops.m_grouped_fp8(
+            dy_data, dy_scale, w_t, w_scale_t, group_sizes, None, settings.recipe, x_dtype, False, backend
+        )
+    if delayed:
+        return _overwritten_grad(ctx, dy), dx, *[None] * 8
+    return _overwritten_grad(ctx, dy), dx, dw, db, *[None] * 6
+
+
+def _weight_grads_fp8(
+    dy,
+    dy_t,
+    dy_scale_t,
+    x_t,
+    x_scale_t,
+    group_sizes,
+    M,
+    main_grad,
+    need_w,
+    bias_dtype,
+    w_dtype,
+    recipe,
+    backend,
+):
+    """(dW [G, N, K] or None when accumulated into main_grad, dbias or None) from the FP8 copies."""
+    db = None if bias_dtype is None else _ops.grouped_column_sums(dy, group_sizes, bias_dtype, backend)
+    if not need_w:
+        return None, db
+    if main_grad is not None:
+        _ops.k_grouped_fp8_out(
+            dy_t, dy_scale_t, x_t, x_scale_t, group_sizes, M, main_grad, True, recipe, False, backend
+        )
+        return None, db
+    dw = _ops.k_grouped_fp8(dy_t, dy_scale_t, x_t, x_scale_t, group_sizes, M, recipe, False, backend, w_dtype)
+    return dw, db
+
+
 class GroupedLinear(nn.Module):
     """G experts, each an nn.Linear(in_features, out_features), applied to contiguous row groups.
 
@@ -165,7 +380,7 @@ class GroupedLinear(nn.Module):
             then zeroed, as in TE); default: nn.Linear's init, U(-1/sqrt(K), 1/sqrt(K)) for both.
         backend: "auto", "triton" or "reference" (see ``moegemm.torch.api``).
         fp8_recipe: None (high precision), or "tensorwise", "rowwise" or "blockwise": forward and
-            backward GEMMs in FP8 with current scaling (``moegemm.torch.grouped_linear_fp8``). The
+            backward GEMMs in FP8 with current scaling (the module docstring's FP8 steps). The
             weight's quantized copy is cached while the weight is unchanged (its version counter);
             ``forward(..., is_first_microbatch=...)`` overrides that as in TransformerEngine.
         fp8_grad_dtype: dy's FP8 format; float8_e5m2 is TE's "hybrid" recipe.
@@ -212,11 +427,12 @@ class GroupedLinear(nn.Module):
             self.register_parameter("bias", None)
         self._state = _State()
         self.fp8 = None
-        if check_recipe(fp8_recipe) is not None:
-            if fp8_grad_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if fp8_recipe is not None:
+            fp8.check_recipe(fp8_recipe)
+            if fp8_grad_dtype not in FP8_DTYPES:
                 raise TypeError(f"fp8_grad_dtype must be float8_e4m3fn or float8_e5m2, got {fp8_grad_dtype}")
-            self.fp8 = Fp8Settings(fp8_recipe, fp8_grad_dtype, fp8_fprop_fast_accum)
-        self._fp8_weight = Fp8WeightCache()
+            self.fp8 = _Fp8Settings(fp8_recipe, fp8_grad_dtype, fp8_fprop_fast_accum)
+        self._fp8_weight = _Fp8WeightCache()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -300,6 +516,9 @@ class GroupedLinear(nn.Module):
             # which autograd and AOTAutograd record as usual (one [M, N] temporary).
             return out.copy_(self.forward(x, group_sizes, check=check))
         delay, state = self.delay_wgrad_compute, self._state
+        # The state that receives the weight gradient when it is delayed (one Function argument for both:
+        # Function.apply's Python cost grows with its argument count).
+        delay_state = state if delay else None
         if delay and state.pending is not None:
             raise RuntimeError(
                 "GroupedLinear(delay_wgrad_compute=True): call backward_dw() after each backward, before the "
@@ -313,7 +532,7 @@ class GroupedLinear(nn.Module):
         backend = resolve_backend(self.backend, x.device)
         if self.fp8 is not None:
             if torch.compiler.is_compiling():  # no Python-side cache in a traced graph
-                w_q = quantize_weight(weight, self.fp8, backend)
+                w_q = _quantize_weight(weight, self.fp8, backend)
             else:
                 w_q = self._fp8_weight.get(
                     weight,
@@ -322,7 +541,7 @@ class GroupedLinear(nn.Module):
                     refresh=is_first_microbatch is True,
                     reuse=is_first_microbatch is False,
                 )
-            return Fp8GroupedLinearFunction.apply(
+            return _GroupedLinearFunction.apply(
                 out,
                 x,
                 weight,
@@ -331,13 +550,11 @@ class GroupedLinear(nn.Module):
                 main_grad,
                 dummy_wgrad,
                 backend,
-                delay,
-                state,
-                self.fp8,
-                w_q,
+                delay_state,
+                (self.fp8, w_q),
             )
         return _GroupedLinearFunction.apply(
-            out, x, weight, self.bias, group_sizes, main_grad, dummy_wgrad, backend, delay, state
+            out, x, weight, self.bias, group_sizes, main_grad, dummy_wgrad, backend, delay_state, None
         )
 
     def _mark_grad_added_to_main_grad(self) -> torch.Tensor | None:

@@ -1,30 +1,25 @@
-"""Plain PyTorch twins of the kernels: the test oracle and the CPU fallback.
+"""Plain PyTorch twins of the ops: the test oracle and the CPU fallback (``backend="reference"``).
 
 They implement the kernels' exact semantics, clamping included: sizes are clamped to [0, M],
 offsets are prefix sums clamped at M, and rows past sum(group_sizes) belong to no group.
-They sync (group_sizes.tolist()), which is fine for an oracle and for CPU tensors.
+Quantized operands (``Fp8Tensor``) are dequantized first: the twin of an FP8 GEMM is the GEMM of
+the dequantized operands. They sync (group_sizes.tolist()), which is fine for an oracle and for CPU
+tensors.
 """
 
 from __future__ import annotations
 
 import torch
 
-from moegemm._src import layout
+from moegemm._src.torch import reference as _ref
+from moegemm._src.torch.fp8_tensor import Fp8Tensor, check_pair
 
-
-def group_bounds(group_sizes: torch.Tensor, M: int) -> list[tuple[int, int]]:
-    """[(start_g, end_g)] of device or host sizes (one sync); see moegemm._src.layout for the rule."""
-    return layout.group_bounds(group_sizes.tolist(), M)
-
-
-def _exact_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 products of 16-bit inputs are exact (even as TF32 on a GPU); fp32 inputs need fp64 for that."""
-    return torch.float64 if dtype == torch.float32 else torch.float32
+__all__ = ["k_grouped_mm_reference", "m_grouped_mm_reference"]
 
 
 def m_grouped_mm_reference(
-    x: torch.Tensor,
-    w: torch.Tensor,
+    x: torch.Tensor | Fp8Tensor,
+    w: torch.Tensor | Fp8Tensor,
     group_sizes: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
@@ -32,10 +27,19 @@ def m_grouped_mm_reference(
     compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x [M, K], w [G, K, N], bias [G, N] or None -> out [M, N];
-    for g: out[rows(g)] = x[rows(g)] @ w[g] (+ bias[g]); unowned rows 0 (no bias)."""
-    compute_dtype = compute_dtype or _exact_dtype(x.dtype)
+    for g: out[rows(g)] = x[rows(g)] @ w[g] (+ bias[g]); unowned rows 0 (no bias).
+
+    Quantized x and w (both Fp8Tensor): x [M, K] and a weight [G, N, K] are dequantized and
+    out[rows(g)] = x[rows(g)] @ w[g]^T (+ bias[g]), computed in fp32 unless ``compute_dtype`` says
+    otherwise; out_dtype defaults to x's dtype, bfloat16 for quantized operands (as m_grouped_mm)."""
+    if isinstance(x, Fp8Tensor) or isinstance(w, Fp8Tensor):
+        check_pair("m_grouped_mm_reference", ("x", x), ("w", w))
+        compute_dtype = compute_dtype or torch.float32
+        x, w = x.dequantize(compute_dtype), w.dequantize(compute_dtype).mT
+        out_dtype = out_dtype or torch.bfloat16
+    compute_dtype = compute_dtype or _ref.exact_dtype(x.dtype)
     out = torch.zeros(x.shape[0], w.shape[-1], dtype=compute_dtype, device=x.device)
-    for g, (start, end) in enumerate(group_bounds(group_sizes, x.shape[0])):
+    for g, (start, end) in enumerate(_ref.group_bounds(group_sizes, x.shape[0])):
         if end > start:
             out[start:end] = x[start:end].to(compute_dtype) @ w[g].to(compute_dtype)
             if bias is not None:
@@ -43,24 +47,9 @@ def m_grouped_mm_reference(
     return out.to(out_dtype or x.dtype)
 
 
-def grouped_column_sums(
-    a: torch.Tensor,
-    group_sizes: torch.Tensor,
-    *,
-    out_dtype: torch.dtype = torch.float32,
-    compute_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """a [M, K] -> [G, K]; for g: out[g] = sum(a[rows(g)], 0) (the bias gradient when a is dy)."""
-    compute_dtype = compute_dtype or _exact_dtype(a.dtype)
-    out = torch.zeros(group_sizes.shape[0], a.shape[1], dtype=compute_dtype, device=a.device)
-    for g, (start, end) in enumerate(group_bounds(group_sizes, a.shape[0])):
-        out[g] = a[start:end].to(compute_dtype).sum(0)
-    return out.to(out_dtype)
-
-
 def k_grouped_mm_reference(
-    a: torch.Tensor,
-    b: torch.Tensor,
+    a: torch.Tensor | Fp8Tensor,
+    b: torch.Tensor | Fp8Tensor,
     group_sizes: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
@@ -70,10 +59,16 @@ def k_grouped_mm_reference(
 ) -> torch.Tensor:
     """a [M, K], b [M, N] -> out [G, K, N]; for g: out[g] (+)= a[rows(g)]^T @ b[rows(g)].
 
+    Quantized a and b (both Fp8Tensor, quantized with ``transpose=True``): their transposed copies,
+    which the wgrad kernel reads, are dequantized (fp32 unless ``compute_dtype`` says otherwise).
     Accumulating leaves an empty group's out[g] untouched, as the kernel does (0 + -0.0 would be +0.0)."""
-    compute_dtype = compute_dtype or _exact_dtype(a.dtype)
+    if isinstance(a, Fp8Tensor) or isinstance(b, Fp8Tensor):
+        check_pair("k_grouped_mm_reference", ("a", a), ("b", b))
+        compute_dtype = compute_dtype or torch.float32
+        a, b = a.dequantize_t(compute_dtype), b.dequantize_t(compute_dtype)
+    compute_dtype = compute_dtype or _ref.exact_dtype(a.dtype)
     G = group_sizes.shape[0]
-    bounds = group_bounds(group_sizes, a.shape[0])
+    bounds = _ref.group_bounds(group_sizes, a.shape[0])
     if accumulate:
         for g, (start, end) in enumerate(bounds):
             if end > start:

@@ -20,25 +20,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from moegemm._src import configs
-from moegemm._src.kernels.k_grouped import KGroupedLaunch, k_grouped_mm_kernel
-from moegemm._src.kernels.m_grouped import MGroupedLaunch, m_grouped_mm_kernel
+from moegemm._src import plan
+from moegemm._src.kernels.k_grouped import k_grouped_mm_kernel
+from moegemm._src.kernels.m_grouped import m_grouped_mm_kernel
 
 # SM count used when the device does not report one (H100 SXM).
 DEFAULT_PROGRAMS = 132
 
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """Where a launch runs: ``name`` is the configs.TABLE target, ``programs`` caps the persistent grid."""
-
-    name: str
-    device_name: str
-    programs: int
-
-
+# Where a launch runs (``name`` is the configs.TABLE target, ``programs`` caps the persistent grid).
+Target = plan.Target
 # Odd and small, so the persistent stride loop is exercised (as in the PyTorch glue).
-INTERPRET = Target("interpret", "", 3)
+INTERPRET = plan.INTERPRET
+# jax-triton 0.3.1 passes neither TMA descriptors nor Triton's global scratch (it passes the scratch pointer as
+# null), and no Gluon kernel: the plan never picks those paths here.
+CAPABILITIES = plan.JAX
 
 
 @functools.cache
@@ -86,31 +81,18 @@ class Executor:
     run: Callable[[KernelCall], jax.Array]
 
 
+def _plan(problem: plan.Problem, target: Target) -> plan.Plan:
+    return plan.plan(problem, target, CAPABILITIES)
+
+
 def _launch_options(
     op: str, M: int, N: int, K: int, G: int, dtype, target: Target, G_total: int | None = None
 ) -> dict:
-    """The launch options both kernels take: the target's tile config and grid cap, and dtype flags.
-
-    With a group offset (G of G_total groups are this launch's), the config is picked for the rows
-    the local groups can expect, M * G / G_total, not for all M rows: measured on the H100, picking
-    for all rows gave qwen3-30b-fc1 wgrad at ep=2 an 11% slower tile than its local-rows run.
-    """
-    if G_total is not None:
-        M = max(1, -(-M * G // max(G_total, 1)))
-    config = configs.pick_config(
-        op,
-        target.name,
-        device_name=target.device_name,
-        dtype=dtype.name,
-        G=G,
-        N=N,
-        K=K,
-        M=M,
-        sms=target.programs,
-        tma=False,  # jax-triton 0.3.1 passes neither TMA descriptors nor Triton's global scratch
-    )
+    """The tile config the plan picks for a launch of ``op`` (with a group offset, for the rows the local
+    groups can expect: plan._config_rows), with the grid cap and dtype flags both kernels take."""
+    problem = plan.Problem(op, M, N, K, G, jnp.dtype(dtype).name, g_total=G_total)
     return dict(
-        config=config,
+        config=_plan(problem, target).config,
         num_programs_cap=target.programs,
         fp32_inputs=dtype == jnp.float32,
         interpret=target.name == "interpret",
@@ -149,18 +131,21 @@ def m_grouped_mm_call(
         stride_wg, stride_wk, stride_wn = K * N, N, 1
     g_total = None if group_offset is None else group_sizes.shape[0]  # None: no offset
     G_total = G if g_total is None else g_total
-    launch = MGroupedLaunch.make(
+    # JAX arrays are contiguous: every row is 16-element aligned where K and N are, which the kernel's
+    # half_tiles_fit checks on the GPU (the interpreter runs half-high tiles on any shape).
+    problem = plan.Problem(
+        plan.M_GROUPED,
         M,
         N,
         K,
         G,
-        **_launch_options("m_grouped", M, N, K, G, x.dtype, target, g_total),
+        jnp.dtype(x.dtype).name,
+        g_total=g_total,
         max_stride=max(K, 1, stride_wk, stride_wn, N),
         w_k_contiguous=stride_wk == 1 and stride_wn != 1,
-        g_total=g_total,
-        mixed_m=configs.MIXED_M,
-        tail_split=configs.TAIL_SPLIT,
+        rows_aligned=True,
     )
+    launch = _plan(problem, target)
     sizes = dict(
         M=M,
         N=N,
@@ -203,16 +188,18 @@ def k_grouped_mm_call(
     G_total = group_sizes.shape[0]
     G = G_total if group_offset is None else num_groups
     g_total = None if group_offset is None else G_total  # None: no offset
-    launch = KGroupedLaunch.make(
+    problem = plan.Problem(
+        plan.K_GROUPED,
         M,
         N,
         K,
         G,
-        **_launch_options("k_grouped", M, N, K, G, a.dtype, target, g_total),
-        accumulate=c is not None,
-        g_total=g_total,
+        jnp.dtype(a.dtype).name,
         out_itemsize=jnp.dtype(out_dtype).itemsize,
+        g_total=g_total,
+        accumulate=c is not None,
     )
+    launch = _plan(problem, target)
     # Without accumulation the kernel never reads c_ptr, without A_COLSUM it never writes a_colsum_ptr; any
     # pointer fills those slots. No TMA_STORE: its descriptor lives in Triton's global scratch, which
     # jax-triton 0.3.1 passes as null.

@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 import triton
 
-from moegemm._src import configs, fp8
-from moegemm._src.jax.launch import KernelCall, Target, _offset_arg
+from moegemm._src import configs, fp8, plan
+from moegemm._src.jax.launch import CAPABILITIES, KernelCall, Target, _offset_arg
 from moegemm._src.kernels import quantize_fp8 as qk
-from moegemm._src.kernels.k_grouped_fp8 import KGroupedFp8Launch, k_grouped_mm_fp8_kernel
-from moegemm._src.kernels.m_grouped_fp8 import MGroupedFp8Launch, m_grouped_mm_fp8_kernel
+from moegemm._src.kernels.k_grouped_fp8 import k_grouped_mm_fp8_kernel
+from moegemm._src.kernels.m_grouped_fp8 import m_grouped_mm_fp8_kernel
 
 
 def fp8_max(dtype) -> float:
@@ -43,7 +43,7 @@ def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
 
 
 def _quantize_config(target: Target) -> configs.QuantizeConfig:
-    return configs.pick_config("quantize_fp8", target.name)
+    return plan.quantize_config(target)
 
 
 def group_amax_call(
@@ -254,22 +254,6 @@ def quantize_cols_call(
 # ---------------------------------------------------------------- GEMMs
 
 
-def _fp8_config(
-    op: str, recipe: str, dtype, M: int, N: int, K: int, G: int, target: Target, fast_accum: bool
-):
-    # The tuned cache keys and tables the PyTorch launches use (moegemm._src.fp8.config_op / config_dtype).
-    return configs.pick_config(
-        fp8.config_op(op, recipe, fast_accum),
-        target.name,
-        device_name=target.device_name,
-        dtype=fp8.config_dtype(recipe, jnp.dtype(dtype).name, fast_accum),
-        G=G,
-        N=N,
-        K=K,
-        M=M,
-    )
-
-
 def m_grouped_mm_fp8_call(
     x: jax.Array,
     sx: jax.Array,
@@ -295,21 +279,19 @@ def m_grouped_mm_fp8_call(
     G, N = w.shape[0], w.shape[1]
     kw = w.shape[2] if w_row_stride is None else w_row_stride
     g_total = None if group_offset is None else group_sizes.shape[0]
-    config = _fp8_config("m_grouped_fp8", recipe, x.dtype, M, N, K, G, target, fast_accum)
-    launch = MGroupedFp8Launch.make(
+    problem = plan.Problem(
+        plan.M_GROUPED,
         M,
         N,
         K,
         G,
-        recipe=recipe,
-        config=config,
-        num_programs_cap=target.programs,
-        interpret=target.name == "interpret",
-        max_stride=max(K, N, kw, 1),
-        has_bias=False,
-        fast_accum=fast_accum,
+        jnp.dtype(x.dtype).name,
         g_total=g_total,
+        max_stride=max(K, N, kw, 1),
+        recipe=recipe,
+        fast_accum=fast_accum,
     )
+    launch = plan.plan(problem, target, CAPABILITIES)
     if recipe == "tensorwise":
         scale_strides = (1 if sx.size > 1 else 0, 0, 0, 1, 0, 0)
     elif recipe == "rowwise":
@@ -364,21 +346,21 @@ def k_grouped_mm_fp8_call(
     N = b_t.shape[0]
     G_total = group_sizes.shape[0]
     G = G_total if group_offset is None else num_groups
-    config = _fp8_config("k_grouped_fp8", recipe, a_t.dtype, M, N, K, G, target, fast_accum)
-    launch = KGroupedFp8Launch.make(
+    problem = plan.Problem(
+        plan.K_GROUPED,
         M,
         N,
         K,
         G,
-        recipe=recipe,
-        config=config,
-        num_programs_cap=target.programs,
-        interpret=target.name == "interpret",
+        jnp.dtype(a_t.dtype).name,
+        out_itemsize=jnp.dtype(out_dtype).itemsize,
+        g_total=None if group_offset is None else G_total,
         max_stride=max(M_t, K * N, 1),
         accumulate=c is not None,
+        recipe=recipe,
         fast_accum=fast_accum,
-        g_total=None if group_offset is None else G_total,
     )
+    launch = plan.plan(problem, target, CAPABILITIES)
     # Scales of the wgrad operands: [G] (tensorwise), [G, K] (rowwise), [blocks, K] (blockwise).
     scale_strides = lambda s: (1, 0) if s.ndim == 1 else (s.shape[1], 1)
     sizes = dict(

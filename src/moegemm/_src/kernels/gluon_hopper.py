@@ -1,12 +1,15 @@
-"""What the warp-specialized Gluon kernels (``k_grouped_ws``, ``m_grouped_fp8_ws``, ``k_grouped_fp8_ws``)
-share: the Gluon Hopper imports (with a stand-in where this Triton lacks them, so the modules import
-and ``supported()`` answers), the launch's register budget, the layouts of the loader's copies and of
-the per-program schedule vectors, the ring protocol, and the m-grouped tile space.
+"""The skeleton the warp-specialized Gluon kernels (``k_grouped_ws``, ``m_grouped_fp8_ws``, ``k_grouped_fp8_ws``)
+share, as one GEMM base: the Gluon Hopper imports (with a stand-in where this Triton lacks them, so the modules
+import and ``supported()`` answers), the register budget, the operand rings and their mbarrier protocol, the
+partition launch, and the layouts of the loader's copies, the schedule vectors and the consumers' wgmma. A kernel
+module adds its loader's copies, its consumers' math and its epilogue.
 
-The kernels have the same partitions: a default partition of LOADER_WARPS warps fills an mbarrier
-ring with cp.async (not TMA: jax-triton 0.3.1 cannot pass host tensor descriptors), and two
-consumer warpgroups each run wgmma on half of every tile's rows (FP8: wgmma -> wait -> promote, so
-one's promotion runs under the other's wgmma).
+Partitions (``warp_specialize_ring``): the default partition of LOADER_WARPS warps is the loader; it fills a
+ring of NUM_STAGES slots, through cp.async (the FP8 kernels: launchable without host tensor descriptors, which
+jax-triton 0.3.1 cannot pass) or TMA (``k_grouped_ws``: descriptors it makes on the device). Two consumer
+warpgroups each own half of every tile's rows and run wgmma on it (FP8: wgmma -> wait -> promote, so one's
+promotion runs under the other's wgmma). docs/design.md, 'Warp-specialized wgrad' and 'Warp-specialized FP8
+kernels', say why and what each measured.
 """
 
 from __future__ import annotations
@@ -54,41 +57,52 @@ except ImportError as e:  # a Triton without (this version of) Gluon's Hopper AP
 
 __all__ = [
     "CONSUMER_WARPS",
-    "async_load",
     "LOADER_WARPS",
     "MAXNREG",
+    "TensorDescriptor",
+    "acquire_slot",
+    "acquire_slot_tx",
+    "async_load",
+    "commit_slot",
     "copy_layout",
     "cp",
     "fence_async_shared",
     "gl",
     "gluon",
-    "mark_slot_loaded",
+    "group_bounds",
     "m_tile_space",
     "mbarrier",
+    "operand_ring",
+    "promoted_mainloop",
     "release_slot",
     "ring_barriers",
+    "scale_ring",
     "sched_layout",
     "supported",
-    "TensorDescriptor",
-    "tma",
     "thread_barrier",
+    "tma",
     "tma_load",
+    "wait_slot",
+    "warp_specialize_ring",
     "warpgroup_mma",
-    "wait_slot_free",
-    "wait_slot_ready",
     "warpgroup_mma_wait",
+    "wgmma_layout",
 ]
 
 LOADER_WARPS = 4  # the default partition: the launch's num_warps
 # Registers per thread at launch (ptxas's cap): 12 warps x 168 fill the 64K register file. setmaxnreg
 # then moves them: CONSUMER_REGS to each consumer, the rest to the loader.
 MAXNREG = 168
-CONSUMER_WARPS = gl.constexpr(4) if IMPORT_ERROR is None else 4  # one warpgroup per consumer
+_CONSUMER_WARPS = 4  # one warpgroup per consumer
+CONSUMER_WARPS = gl.constexpr(_CONSUMER_WARPS) if IMPORT_ERROR is None else _CONSUMER_WARPS
 
 
 def supported() -> bool:
     """Whether this Triton has the Gluon API the kernels use (they need an sm_90 device besides)."""
     return IMPORT_ERROR is None
+
+
+# Layouts.
 
 
 @gluon.constexpr_function
@@ -105,8 +119,32 @@ def sched_layout(num_warps):
     return gl.BlockedLayout([1], [32], [num_warps], [0])
 
 
-# The ring protocol. Step i of a partition's walk uses slot i % NUM_STAGES in phase (i // NUM_STAGES) & 1;
-# every partition walks the same steps, so the loader and both consumers agree on slots without messages.
+@gluon.constexpr_function
+def wgmma_layout(cols, instr_k):
+    """A consumer warpgroup's wgmma accumulator [rows, cols] (instr_k: 16 for 2-byte operands, 32 for FP8)."""
+    return gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[_CONSUMER_WARPS, 1], instr_shape=[16, cols, instr_k]
+    )
+
+
+# The ring: NUM_STAGES slots of operand tiles and two mbarriers a slot. Step i of a partition's walk uses slot
+# i % NUM_STAGES in phase (i // NUM_STAGES) & 1; every partition walks the same steps, so the loader and both
+# consumers agree on slots without messages.
+
+
+@gluon.jit
+def operand_ring(dtype: gl.constexpr, NUM_STAGES: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """[NUM_STAGES, ROWS, COLS] NVMMA-swizzled slots: what the loader's copies write and wgmma reads."""
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, COLS], dtype)
+    return gl.allocate_shared_memory(dtype, [NUM_STAGES, ROWS, COLS], layout)
+
+
+@gluon.jit
+def scale_ring(NUM_STAGES: gl.constexpr, N: gl.constexpr):
+    """[NUM_STAGES, N] fp32 slots for a step's scale vectors, which the consumers read from shared memory:
+    a global load in flight would stall their proxy fence."""
+    layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    return gl.allocate_shared_memory(gl.float32, [NUM_STAGES, N], layout)
 
 
 @gluon.jit
@@ -127,7 +165,7 @@ def ring_barriers(NUM_STAGES: gl.constexpr, TMA: gl.constexpr = False):
 
 
 @gluon.jit
-def wait_slot_free(empty, step):
+def acquire_slot(empty, step):
     """Loader: the slot of ``step`` once both consumers released its previous use (the first pass
     through the ring waits on the phase before init, which counts as complete)."""
     NUM_STAGES: gl.constexpr = empty.shape[0]
@@ -137,14 +175,24 @@ def wait_slot_free(empty, step):
 
 
 @gluon.jit
-def mark_slot_loaded(ready, slot):
-    """Loader: every thread arrives once its own cp.async copies into ``slot`` land (noinc: the barrier
+def acquire_slot_tx(ready, empty, step, NBYTES: gl.constexpr):
+    """TMA loader: ``acquire_slot``, then the slot's ready barrier expecting NBYTES of copies (a box past a
+    descriptor's extent is zero-filled and still counts). Returns (slot, its ready barrier for the copies)."""
+    slot = acquire_slot(empty, step)
+    bar = ready.index(slot)
+    mbarrier.expect(bar, NBYTES)
+    return slot, bar
+
+
+@gluon.jit
+def commit_slot(ready, slot):
+    """cp.async loader: every thread arrives once its own copies into ``slot`` land (noinc: the barrier
     counts all loader threads)."""
     cp.mbarrier_arrive(ready.index(slot), increment_count=False)
 
 
 @gluon.jit
-def wait_slot_ready(ready, step, PROXY_FENCE: gl.constexpr):
+def wait_slot(ready, step, PROXY_FENCE: gl.constexpr):
     """Consumer: the slot of ``step`` once its copies landed."""
     NUM_STAGES: gl.constexpr = ready.shape[0]
     slot = step % NUM_STAGES
@@ -160,16 +208,85 @@ def release_slot(empty, slot):
     mbarrier.arrive(empty.index(slot), count=1)
 
 
+# A function passed to a @gluon.jit helper arrives as a constexpr, which gl.warp_specialize does not take and a
+# call unwraps: the partitions run these bodies.
+
+
 @gluon.jit
-def m_tile_space(group_sizes_ptr, G, M, n_tiles, BLOCK_M: gl.constexpr, BLOCK_G: gl.constexpr):
-    """``schedule.group_row_bounds`` + ``row_tile_space`` over an arange with this partition's layout
-    (Gluon's arange needs one); the same clamping, so every partition sees the same tiles.
-    Returns (offs, starts, ends, m_tiles, tile_ends, total_tiles) for ``schedule.locate_row_tile``."""
+def _loader_partition(fn: gl.constexpr, args):
+    fn(*args)
+
+
+@gluon.jit
+def _consumer_partition(fn: gl.constexpr, args, HALF: gl.constexpr):
+    fn(*args, HALF)
+
+
+@gluon.jit
+def warp_specialize_ring(
+    loader: gl.constexpr, loader_args, consumer: gl.constexpr, consumer_args, CONSUMER_REGS: gl.constexpr
+):
+    """Runs ``loader(*loader_args)`` in the default partition and ``consumer(*consumer_args, HALF)`` in two
+    warpgroups, HALF 0 and 1, with CONSUMER_REGS registers a thread each (setmaxnreg; the loader gets the rest
+    of MAXNREG). Pass the argument tuples as literals at the call: a tuple bound to a variable first loses the
+    constexpr-ness of its entries (triton 3.6)."""
+    gl.warp_specialize(
+        [
+            (_loader_partition, (loader, loader_args)),
+            (_consumer_partition, (consumer, consumer_args, 0)),
+            (_consumer_partition, (consumer, consumer_args, 1)),
+        ],
+        [CONSUMER_WARPS, CONSUMER_WARPS],
+        [CONSUMER_REGS, CONSUMER_REGS],
+    )
+
+
+@gluon.jit
+def promoted_mainloop(
+    step_fn: gl.constexpr, step_args, n_steps, step, partial, a_bufs, b_bufs, ready, empty, HALF: gl.constexpr,
+    PROXY_FENCE: gl.constexpr,
+):  # fmt: skip
+    """An FP8 consumer's K loop over one tile: n_steps ring steps from ``step`` on, each waiting for its slot,
+    running ``acc, partial = step_fn(a, b_slot, slot, k, partial, acc, PART, *step_args)`` (wgmma into
+    ``partial``, wait, promote into ``acc``) for each column part of the tile, and releasing the slot. ``a`` is
+    this consumer's HALF of the slot's rows. A tile wider than ``partial`` (BLOCK_N 256) runs as two 128-column
+    parts with their own accumulators: two 64 x 128 fp32 accumulators and one partial fit a warpgroup's
+    registers, a 64 x 256 accumulator and its partial do not. Returns (acc0, acc1, partial, step); acc1 is
+    zeros for a one-part tile."""
+    SUB_M: gl.constexpr = partial.shape[0]
+    SUB_N: gl.constexpr = partial.shape[1]
+    BLOCK_N: gl.constexpr = b_bufs.shape[1]
+    layout: gl.constexpr = partial.type.layout
+    acc0 = gl.zeros([SUB_M, SUB_N], gl.float32, layout)
+    acc1 = gl.zeros([SUB_M, SUB_N], gl.float32, layout)
+    for k in range(n_steps):
+        slot = wait_slot(ready, step, PROXY_FENCE)
+        a = a_bufs.index(slot).slice(HALF * SUB_M, SUB_M)
+        acc0, partial = step_fn(a, b_bufs.index(slot), slot, k, partial, acc0, 0, *step_args)
+        if BLOCK_N > SUB_N:
+            acc1, partial = step_fn(a, b_bufs.index(slot), slot, k, partial, acc1, 1, *step_args)
+        release_slot(empty, slot)
+        step += 1
+    return acc0, acc1, partial, step
+
+
+# The schedule: every partition computes it from group_sizes with the same clamping, so all see the same tiles.
+
+
+@gluon.jit
+def group_bounds(group_sizes_ptr, G, M, BLOCK_G: gl.constexpr):
+    """(offs, starts, ends): ``schedule.clamped_group_bounds`` over an arange with this partition's layout
+    (Gluon's arange needs one), int32 once clamped into [0, M] (M is an i32): these vectors stay live through
+    the whole kernel, and int64 ones cost the consumers registers their accumulators need."""
     offs = gl.arange(0, BLOCK_G, layout=sched_layout(gl.num_warps()))
     starts, ends = clamped_group_bounds(group_sizes_ptr, offs, G, M)
-    # int32 once clamped into [0, M] (M is an i32): these vectors stay live through the whole kernel,
-    # and int64 ones cost the consumers registers their accumulators need.
-    starts = starts.to(gl.int32)
-    ends = ends.to(gl.int32)
+    return offs, starts.to(gl.int32), ends.to(gl.int32)
+
+
+@gluon.jit
+def m_tile_space(group_sizes_ptr, G, M, n_tiles, BLOCK_M: gl.constexpr, BLOCK_G: gl.constexpr):
+    """``group_bounds`` + ``schedule.row_tile_space``. Returns (offs, starts, ends, m_tiles, tile_ends,
+    total_tiles) for ``schedule.locate_row_tile``."""
+    offs, starts, ends = group_bounds(group_sizes_ptr, G, M, BLOCK_G)
     starts, ends, m_tiles, tile_ends, total_tiles = row_tile_space(offs, starts, ends, G, M, n_tiles, BLOCK_M)
     return offs, starts, ends, m_tiles, tile_ends, total_tiles

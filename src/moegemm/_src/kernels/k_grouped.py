@@ -113,7 +113,8 @@ def _k_epilogue(
 def _out_desc(out_ptr, G, K, N, stride_og, stride_ok, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """A TMA descriptor over out [G, K, N] (N contiguous), block [1, BLOCK_K, BLOCK_N]: the copy engine clips
     each tile at out[g]'s K and N edges. Made once per program on the device (Triton's global scratch), so the
-    launch encodes no host descriptor: 18.9 us of host time a call against 22.6 with one (perf-notes 33)."""
+    launch encodes no host descriptor: 18.9 us of host time a call against 22.6 with one
+    (docs/design.md, 'TMA stores')."""
     return tl.make_tensor_descriptor(out_ptr, [G, K, N], [stride_og, stride_ok, 1], [1, BLOCK_K, BLOCK_N])
 
 
@@ -121,8 +122,8 @@ def _out_desc(out_ptr, G, K, N, stride_og, stride_ok, BLOCK_K: tl.constexpr, BLO
 def k_grouped_mm_kernel(
     # Pointer order as in m_grouped_mm_kernel. The strides are constexprs for every caller: fixed
     # per layer, and compiled in they took compute-bound wgrad from 488 to 572 TF/s (dsv3 fc1) and
-    # 519 to 650 (mixtral) on the H100 (docs/perf-notes.md, 9). Sizes stay runtime ints for PyTorch
-    # (jax-triton passes them as constexprs too).
+    # 519 to 650 (mixtral) on the H100 (docs/design.md, 'Compiled-in sizes'). Sizes stay runtime ints for
+    # PyTorch (jax-triton passes them as constexprs too).
     a_ptr,
     b_ptr,
     group_sizes_ptr,
@@ -196,13 +197,13 @@ def k_grouped_mm_kernel(
         # max(1, cdiv(rows_g, BLOCK_R)) steps: an empty group's tile still stores its zeros, from one
         # all-masked step. Programs own tiles pid, pid + NUM_PROGRAMS, ...; `mine` counts them per group.
         # (Runs of consecutive tiles per program, which make a TMA-load program's descriptors less
-        # often, ran slower on the H100: up to 0.62x on 128-expert wgrad; perf-notes 25.)
+        # often, ran slower on the H100: up to 0.62x on 128-expert wgrad.)
         first_tile = offs * tiles_per_group
         mine = strided_share(first_tile + tiles_per_group, pid, NUM_PROGRAMS)
         mine -= strided_share(first_tile, pid, NUM_PROGRAMS)
         steps_of = tl.maximum(tl.cdiv(ends - starts, BLOCK_R), 1)
         # int32 (KGroupedLaunch.make bounds a program's steps below 2**31): a 64-bit count costs a step 3-5
-        # instructions of compares (sm_90a SASS; perf-notes 27).
+        # instructions of compares (sm_90a SASS; docs/design.md, 'Persistent schedule').
         total = tl.sum(tl.where(offs < G, mine * steps_of, 0), 0).to(tl.int32)
         tile = pid - NUM_PROGRAMS
         step = -1
@@ -237,7 +238,8 @@ def k_grouped_mm_kernel(
                 row_end = pick(ends, offs, g)
                 num_steps = tl.maximum(tl.cdiv(row_end - row_start, BLOCK_R), 1).to(tl.int32)
                 # The row counts in int32 (M < 2**31, KGroupedLaunch.make): their 64-bit
-                # compares cost 16 of the 212 instructions a step takes (sm_90a SASS; perf-notes 27).
+                # compares cost 16 of the 212 instructions a step takes
+                # (sm_90a SASS; docs/design.md, 'Persistent schedule').
                 rows_left = (row_end - row_start).to(tl.int32)
                 k_mask = offs_k < K - k_tile * BLOCK_K
                 col_mask = offs_n < N - n_tile * BLOCK_N

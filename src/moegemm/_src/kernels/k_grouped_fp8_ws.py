@@ -8,17 +8,18 @@ zeros, or, accumulating, leaves out[g] untouched. This kernel runs the promoted 
 128-token step's partial product leaves the tensor cores and is added (blockwise: scaled by
 ``sa[blk, ka] * sb[blk, nb]``) into an fp32 accumulator.
 
-Why warp specialization: as in ``m_grouped_fp8_ws`` (whose module docstring has the measurements), a
-promotion waits for its wgmma, and in one instruction stream the tensor cores idle through it. The
-blockwise wgrad promotion costs more than the forward's, since its scale varies along both tile
-dimensions (an outer product of two scale vectors per step): the Triton kernel ran 339-342 TF/s on
-dsv3-ep8-fc1 (perf-notes 20).
+Why warp specialization: as in ``m_grouped_fp8_ws``, a promotion waits for its wgmma, and in one
+instruction stream the tensor cores idle through it. The blockwise wgrad promotion costs more than the
+forward's, since its scale varies along both tile dimensions (an outer product of two scale vectors per
+step): the Triton kernel ran 339-342 TF/s on dsv3-ep8-fc1 (docs/design.md, 'Warp-specialized FP8 kernels').
 
-Partitions (``moegemm._src.kernels.gluon_hopper``): the loader copies each step's a [BLOCK_K, BLOCK_R] and
-b [BLOCK_N, BLOCK_R] tiles, and, blockwise, the step's scale vectors sa [BLOCK_K] and sb [BLOCK_N],
-into a ring of NUM_STAGES slots; two consumer warpgroups each own BLOCK_K / 2 rows of every output
-tile. A BLOCK_N of 256 runs as two 128-column halves with their own accumulators. Every partition
-walks the same persistent tile sequence (``tile -> (g, k_tile, n_tile)``, a group's tiles
+The ring, its protocol, the partitions and the consumers' K loop are ``gluon_hopper``'s (``warp_specialize_ring``,
+``promoted_mainloop``); this module adds:
+- ``_loader``: cp.async of each step's a [BLOCK_K, BLOCK_R] and b [BLOCK_N, BLOCK_R] tiles and, blockwise,
+  the step's scale vectors sa [BLOCK_K] and sb [BLOCK_N] into the ring;
+- ``_step``: one 128-token step of a consumer (BLOCK_K / 2 rows of every output tile): wgmma, promotion;
+- ``_epilogue``: tensor/row scales and the masked (accumulating: read-add-write) store.
+Every partition walks the same persistent tile sequence (``tile -> (g, k_tile, n_tile)``, a group's tiles
 consecutive, ``schedule.swizzle_tile`` inside it), so ring slots and phases agree without messages.
 
 Supported: no group offset (expert parallelism runs the Triton kernel), 16-byte aligned rows of the
@@ -32,22 +33,24 @@ import dataclasses
 import triton
 
 from moegemm._src.kernels.gluon_hopper import (
-    CONSUMER_WARPS,
     LOADER_WARPS,
     MAXNREG,
+    acquire_slot,
     async_load,
+    commit_slot,
     copy_layout,
     gl,
     gluon,
-    mark_slot_loaded,
-    release_slot,
+    operand_ring,
+    promoted_mainloop,
     ring_barriers,
+    scale_ring,
     sched_layout,
     supported,
-    wait_slot_free,
-    wait_slot_ready,
+    warp_specialize_ring,
     warpgroup_mma,
     warpgroup_mma_wait,
+    wgmma_layout,
 )
 from moegemm._src.kernels.m_grouped_fp8 import SCALINGS
 from moegemm._src.kernels.quantize_fp8 import T_ALIGN
@@ -148,7 +151,7 @@ def _loader(
             sa_base = sa_ptr + k0 * stride_sak + sc_k * stride_sak
             sb_base = sb_ptr + n0 * stride_sbn + sc_n * stride_sbn
         for s in range(gl.cdiv(rows, BLOCK_R)):
-            slot = wait_slot_free(empty, step)
+            slot = acquire_slot(empty, step)
             r = s * BLOCK_R
             r_in = (cp_r < rows16 - r)[None, :]
             async_load(a_bufs.index(slot), a_base + r + a_offs, mask=a_rows & r_in)
@@ -157,7 +160,7 @@ def _loader(
                 blk = (g_block + r // SCALE_BLOCK).to(gl.int64)
                 async_load(sa_bufs.index(slot), sa_base + blk * stride_sag, mask=sc_k < K - k0)
                 async_load(sb_bufs.index(slot), sb_base + blk * stride_sbg, mask=sc_n < N - n0)
-            mark_slot_loaded(ready, slot)
+            commit_slot(ready, slot)
             step += 1
 
 
@@ -185,7 +188,6 @@ def _consumer(
     stride_sak,
     stride_sbg,
     stride_sbn,
-    HALF: gl.constexpr,
     NUM_PROGRAMS: gl.constexpr,
     BLOCK_K: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -196,15 +198,13 @@ def _consumer(
     SCALING: gl.constexpr,
     SCALE_BLOCK: gl.constexpr,
     PROXY_FENCE: gl.constexpr,
+    HALF: gl.constexpr,
 ):
-    """Rows [HALF * BLOCK_K / 2, (HALF + 1) * BLOCK_K / 2) of every output tile: wgmma, release,
-    promote; then the epilogue. Two 64 x 128 accumulators and one partial fit a warpgroup's registers
-    (BLOCK_N 256 as two halves), a 64 x 256 accumulator and its partial do not."""
+    """Rows [HALF * BLOCK_K / 2, (HALF + 1) * BLOCK_K / 2) of every output tile: ``promoted_mainloop`` with
+    ``_step``, then ``_epilogue`` for each 128-column part."""
     SUB_K: gl.constexpr = BLOCK_K // 2
     SUB_N: gl.constexpr = BLOCK_N if BLOCK_N <= 128 else 128
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, SUB_N, 32]
-    )
+    mma_layout: gl.constexpr = wgmma_layout(SUB_N, 32)
     offs_k = gl.arange(0, SUB_K, layout=gl.SliceLayout(1, mma_layout))
     offs_n = gl.arange(0, SUB_N, layout=gl.SliceLayout(0, mma_layout))
     offs, rows_g, t_units, block_base = _group_space(group_sizes_ptr, G, M, BLOCK_G, SCALE_BLOCK)
@@ -219,21 +219,10 @@ def _consumer(
         rows = pick(rows_g, offs, g)
         k0 = k_tile * BLOCK_K + HALF * SUB_K
         n0 = n_tile * BLOCK_N
-        acc0 = gl.zeros([SUB_K, SUB_N], gl.float32, mma_layout)
-        acc1 = gl.zeros([SUB_K, SUB_N], gl.float32, mma_layout)  # BLOCK_N 256 only
-        for _ in range(gl.cdiv(rows, BLOCK_R)):
-            slot = wait_slot_ready(ready, step, PROXY_FENCE)
-            a = a_bufs.index(slot).slice(HALF * SUB_K, SUB_K)
-            sa_slot = sa_bufs.index(slot).slice(HALF * SUB_K, SUB_K)
-            acc0, partial = _step(
-                a, b_bufs.index(slot), sa_slot, sb_bufs.index(slot), partial, acc0, 0, SUB_N, SCALING
-            )
-            if BLOCK_N > SUB_N:
-                acc1, partial = _step(
-                    a, b_bufs.index(slot), sa_slot, sb_bufs.index(slot), partial, acc1, 1, SUB_N, SCALING
-                )
-            release_slot(empty, slot)
-            step += 1
+        acc0, acc1, partial, step = promoted_mainloop(
+            _step, (sa_bufs, sb_bufs, HALF, SCALING), gl.cdiv(rows, BLOCK_R), step, partial, a_bufs, b_bufs, ready,
+            empty, HALF, PROXY_FENCE,
+        )  # fmt: skip
         _epilogue(
             acc0, c_ptr, out_ptr, sa_ptr, sb_ptr, g, rows, k0, n0, K, N, stride_og, stride_ok, stride_on,
             stride_sag, stride_sak, stride_sbg, stride_sbn, offs_k, offs_n, ACCUMULATE, SCALING,
@@ -247,18 +236,22 @@ def _consumer(
 
 @gluon.jit
 def _step(
-    a, b_slot, sa_slot, sb_slot, partial, acc, PART: gl.constexpr, SUB_N: gl.constexpr, SCALING: gl.constexpr
-):
-    """One 128-token step of column part PART (SUB_N wide): wgmma into ``partial``, then acc += partial
-    (blockwise: times sa[:, None] * sb[None, :], the step's scale vectors from shared memory)."""
+    a, b_slot, slot, k, partial, acc, PART: gl.constexpr, sa_bufs, sb_bufs, HALF: gl.constexpr,
+    SCALING: gl.constexpr,
+):  # fmt: skip
+    """One 128-token step of column part PART (SUB_N wide), ``promoted_mainloop``'s step: wgmma into
+    ``partial``, then acc += partial (blockwise: times sa[:, None] * sb[None, :], the step's scale vectors from
+    shared memory)."""
+    SUB_K: gl.constexpr = a.shape[0]
+    SUB_N: gl.constexpr = partial.shape[1]
     b = b_slot.slice(PART * SUB_N, SUB_N).permute((1, 0))
     token = warpgroup_mma(a, b, partial, use_acc=False, is_async=True)
     layout: gl.constexpr = partial.type.layout
     if SCALING == 2:  # read under the wgmma
-        sa = sa_slot.load(gl.SliceLayout(1, layout))
+        sa = sa_bufs.index(slot).slice(HALF * SUB_K, SUB_K).load(gl.SliceLayout(1, layout))
     partial = warpgroup_mma_wait(0, deps=[token])
     if SCALING == 2:
-        sb = sb_slot.slice(PART * SUB_N, SUB_N).load(gl.SliceLayout(0, layout))
+        sb = sb_bufs.index(slot).slice(PART * SUB_N, SUB_N).load(gl.SliceLayout(0, layout))
     if SCALING == 2:
         acc += (partial * sa[:, None]) * sb[None, :]
     else:
@@ -334,49 +327,26 @@ def k_grouped_mm_fp8_ws_kernel(
 ):
     gl.static_assert(BLOCK_K == 128, "two consumer warpgroups of 64 rows")
     gl.static_assert(BLOCK_R == SCALE_BLOCK, "one 128-token scale block per step")
-    a_dtype: gl.constexpr = a_ptr.dtype.element_ty
-    b_dtype: gl.constexpr = b_ptr.dtype.element_ty
-    a_bufs = gl.allocate_shared_memory(
-        a_dtype,
-        [NUM_STAGES, BLOCK_K, BLOCK_R],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_R], a_dtype),
-    )
-    b_bufs = gl.allocate_shared_memory(
-        b_dtype,
-        [NUM_STAGES, BLOCK_N, BLOCK_R],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_R], b_dtype),
-    )
-    vec_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    sa_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_K], vec_smem)
-    sb_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_N], vec_smem)
+    a_bufs = operand_ring(a_ptr.dtype.element_ty, NUM_STAGES, BLOCK_K, BLOCK_R)
+    b_bufs = operand_ring(b_ptr.dtype.element_ty, NUM_STAGES, BLOCK_N, BLOCK_R)
+    sa_bufs = scale_ring(NUM_STAGES, BLOCK_K)
+    sb_bufs = scale_ring(NUM_STAGES, BLOCK_N)
     ready, empty = ring_barriers(NUM_STAGES)
-    # Partition arguments are spelled out in place: a tuple built in a variable first loses the
-    # constexpr-ness of its entries (triton 3.6).
-    # fmt: off
-    gl.warp_specialize(
-        [
-            (_loader, (
-                a_ptr, b_ptr, sa_ptr, sb_ptr, group_sizes_ptr, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, M, N,
-                K, G, stride_ak, stride_bn, stride_sag, stride_sak, stride_sbg, stride_sbn, SCALING, SCALE_BLOCK,
-                NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G,
-            )),
-            (_consumer, (
-                sa_ptr, sb_ptr, group_sizes_ptr, c_ptr, out_ptr, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, M,
-                N, K, G, stride_og, stride_ok, stride_on, stride_sag, stride_sak, stride_sbg, stride_sbn, 0,
-                NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G, ACCUMULATE, SCALING, SCALE_BLOCK,
-                PROXY_FENCE,
-            )),
-            (_consumer, (
-                sa_ptr, sb_ptr, group_sizes_ptr, c_ptr, out_ptr, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, M,
-                N, K, G, stride_og, stride_ok, stride_on, stride_sag, stride_sak, stride_sbg, stride_sbn, 1,
-                NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G, ACCUMULATE, SCALING, SCALE_BLOCK,
-                PROXY_FENCE,
-            )),
-        ],
-        [CONSUMER_WARPS, CONSUMER_WARPS],
-        [CONSUMER_REGS, CONSUMER_REGS],
-    )
-    # fmt: on
+    warp_specialize_ring(
+        _loader,
+        (
+            a_ptr, b_ptr, sa_ptr, sb_ptr, group_sizes_ptr, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, M, N, K, G,
+            stride_ak, stride_bn, stride_sag, stride_sak, stride_sbg, stride_sbn, SCALING, SCALE_BLOCK, NUM_PROGRAMS,
+            BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G,
+        ),
+        _consumer,
+        (
+            sa_ptr, sb_ptr, group_sizes_ptr, c_ptr, out_ptr, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, M, N, K,
+            G, stride_og, stride_ok, stride_on, stride_sag, stride_sak, stride_sbg, stride_sbn, NUM_PROGRAMS, BLOCK_K,
+            BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G, ACCUMULATE, SCALING, SCALE_BLOCK, PROXY_FENCE,
+        ),
+        CONSUMER_REGS,
+    )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

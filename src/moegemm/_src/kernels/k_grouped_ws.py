@@ -7,19 +7,20 @@ column sums (dbias), expert-parallel offsets and fp32 outputs stay on the Triton
 
 Why: the Triton kernel's one warp stream issues each step's copies, their address and mask work, and the wgmma,
 and on mid-size groups (8-16 steps a 128 x 256 tile) that stream, the accumulator reset and the epilogue keep
-the tensor pipe ~61% busy (perf-notes 27, gpt-oss-20b). Here the copies leave the MMA warps' path.
+the tensor pipe ~61% busy (gpt-oss-20b). Here the copies leave the MMA warps' path (docs/design.md,
+'Warp-specialized wgrad').
 
-Partitions (ring protocol in ``moegemm._src.kernels.gluon_hopper``):
-- default (LOADER_WARPS): makes a TMA descriptor pair per group on the device, over a [row_end, Ka] and
-  b [row_end, Nb] (the copy engine zero-fills the rows past the group's end, so no step adds the next group's
-  rows), and issues three bulk copies a step into the ring: a's [BLOCK_R, 64] column halves and b's
-  [BLOCK_R, BLOCK_N] rows. Descriptors need Triton's global scratch (the front end's allocator).
-- two consumer warpgroups: out rows [k0 + 64 h, k0 + 64 h + 64) of every tile, wgmma with a's half read
-  transposed from shared memory and one wgmma in flight; a finished half tile goes through a staging tile
-  and leaves by a TMA store over out's 2-D view [G * Ka, Nb] (Ka % 64 == 0: a half tile's rows are all in
-  out[g] or all past it), which runs under the next tile's steps. With 3 slots each consumer has its own
+The ring, its protocol and the partitions are ``gluon_hopper``'s (``warp_specialize_ring``); this module adds:
+- ``_loader``: makes a TMA descriptor pair per group on the device, over a [row_end, Ka] and b [row_end, Nb]
+  (the copy engine zero-fills the rows past the group's end, so no step adds the next group's rows), and
+  issues three bulk copies a step into the ring: a's [BLOCK_R, 64] column halves and b's [BLOCK_R, BLOCK_N]
+  rows. Descriptors need Triton's global scratch (the front end's allocator).
+- ``_consumer`` (two warpgroups): out rows [k0 + 64 h, k0 + 64 h + 64) of every tile, wgmma with a's half
+  read transposed from shared memory and one wgmma in flight; a finished half tile goes through a staging
+  tile and leaves by a TMA store over out's 2-D view [G * Ka, Nb] (Ka % 64 == 0: a half tile's rows are all
+  in out[g] or all past it), which runs under the next tile's steps. With 3 slots each consumer has its own
   staging tile; the table's 4 slots (192 KB) leave room for one, which the consumers take in turns
-  (``c_turn``): the 4th slot is worth more than the turn costs (perf-notes 29: +4.5% over 3 slots).
+  (``c_turn``): the 4th slot is worth more than the turn costs (4.5% over 3 slots).
 Tiles are ``(g, k_tile, n_tile)``, a group's consecutive (``schedule.swizzle_tile`` inside it); every partition
 walks the same sequence, so ring slots and phases agree without messages. An empty group's tile takes one
 step at the descriptor's extent (zeros) and stores zeros.
@@ -32,26 +33,28 @@ import dataclasses
 import triton
 
 from moegemm._src.kernels.gluon_hopper import (
-    CONSUMER_WARPS,
     LOADER_WARPS,
     MAXNREG,
+    acquire_slot_tx,
     fence_async_shared,
     gl,
     gluon,
+    group_bounds,
     mbarrier,
+    operand_ring,
     release_slot,
     ring_barriers,
-    sched_layout,
     supported,
     thread_barrier,
     tma,
     tma_load,
-    wait_slot_free,
-    wait_slot_ready,
+    wait_slot,
+    warp_specialize_ring,
     warpgroup_mma,
     warpgroup_mma_wait,
+    wgmma_layout,
 )
-from moegemm._src.kernels.schedule import clamped_group_bounds, pick, sm90_shared_fits, swizzle_tile
+from moegemm._src.kernels.schedule import pick, sm90_shared_fits, swizzle_tile
 
 __all__ = ["BLOCK_K", "KGroupedWsLaunch", "k_grouped_mm_ws_kernel", "supported", "supported_problem"]
 
@@ -74,14 +77,6 @@ def supported_problem(Ka: int, Nb: int, itemsize: int, row_strides: tuple[int, .
         and all(s > 0 and s % 8 == 0 for s in row_strides)
         and 0 < M < 2**31
     )
-
-
-@gluon.jit
-def _bounds(group_sizes_ptr, G, M, BLOCK_G: gl.constexpr):
-    """(offs, starts, ends) of the groups, int32 (clamped into [0, M])."""
-    offs = gl.arange(0, BLOCK_G, layout=sched_layout(gl.num_warps()))
-    starts, ends = clamped_group_bounds(group_sizes_ptr, offs, G, M)
-    return offs, starts.to(gl.int32), ends.to(gl.int32)
 
 
 @gluon.jit
@@ -108,7 +103,7 @@ def _loader(
     STEP_BYTES: gl.constexpr = BLOCK_R * (BLOCK_K + BLOCK_N) * a_bufs.dtype.primitive_bitwidth // 8
     a_layout: gl.constexpr = a_bufs.layout
     b_layout: gl.constexpr = b_bufs.layout
-    offs, starts, ends = _bounds(group_sizes_ptr, G, M, BLOCK_G)
+    offs, starts, ends = group_bounds(group_sizes_ptr, G, M, BLOCK_G)
     total_tiles = G * gl.cdiv(K, BLOCK_K) * gl.cdiv(N, BLOCK_N)
     step = 0
     desc_g = -1
@@ -128,9 +123,7 @@ def _loader(
             )
         row0 = gl.where(row_end > row_start, row_start, extent)
         for r in range(gl.maximum(gl.cdiv(row_end - row_start, BLOCK_R), 1)):
-            slot = wait_slot_free(empty, step)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, STEP_BYTES)  # a box past the extent is zero-filled and still counts
+            slot, bar = acquire_slot_tx(ready, empty, step, STEP_BYTES)
             row = row0 + r * BLOCK_R
             tma_load(a_desc, [row, k0], bar, a_bufs.index(2 * slot))
             tma_load(a_desc, [row, k0 + HALF_K], bar, a_bufs.index(2 * slot + 1))
@@ -149,8 +142,8 @@ def _hand_over(c_turn, HALF: gl.constexpr):
 @gluon.jit
 def _consumer(
     out_desc, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, c_turn, M, K: gl.constexpr, N: gl.constexpr,
-    G: gl.constexpr, HALF: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr,
-    BLOCK_R: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_G: gl.constexpr,
+    G: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_R: gl.constexpr,
+    GROUP_M: gl.constexpr, BLOCK_G: gl.constexpr, HALF: gl.constexpr,
 ):  # fmt: skip
     """Out rows [k0 + 64 HALF, k0 + 64 HALF + 64) of every tile: wgmma with one in flight, then the TMA store.
     With one staging tile (C_TILES == 1) the consumers take turns, HALF 0 first: c_turn[h] completes once
@@ -159,11 +152,9 @@ def _consumer(
     SUB_K: gl.constexpr = BLOCK_K // 2
     NUM_STAGES: gl.constexpr = b_bufs.shape[0]
     C_TILES: gl.constexpr = c_bufs.shape[0]
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_N, 16]
-    )
+    mma_layout: gl.constexpr = wgmma_layout(BLOCK_N, 16)
     c_smem = c_bufs.index(HALF % C_TILES)
-    offs, starts, ends = _bounds(group_sizes_ptr, G, M, BLOCK_G)
+    offs, starts, ends = group_bounds(group_sizes_ptr, G, M, BLOCK_G)
     total_tiles = G * gl.cdiv(K, BLOCK_K) * gl.cdiv(N, BLOCK_N)
     step = 0
     t = 0  # this program's tiles so far
@@ -171,7 +162,7 @@ def _consumer(
         g, k0, n0, row_start, row_end = _locate(tile, offs, starts, ends, K, N, BLOCK_K, BLOCK_N, GROUP_M)
         acc = gl.zeros([SUB_K, BLOCK_N], gl.float32, mma_layout)
         for r in range(gl.maximum(gl.cdiv(row_end - row_start, BLOCK_R), 1)):
-            slot = wait_slot_ready(ready, step, False)  # TMA writes through the async proxy wgmma reads
+            slot = wait_slot(ready, step, False)  # TMA writes through the async proxy wgmma reads
             a = a_bufs.index(2 * slot + HALF).permute((1, 0))  # [SUB_K, BLOCK_R], read transposed
             acc = warpgroup_mma(a, b_bufs.index(slot), acc, is_async=True)
             # Step r - 1's wgmma has drained once at most this one is in flight: its slot goes back.
@@ -225,40 +216,26 @@ def k_grouped_mm_ws_kernel(
 ):
     gl.static_assert(BLOCK_K == 128, "two consumer warpgroups of 64 out rows")
     dtype: gl.constexpr = a_ptr.dtype.element_ty
-    HALF_K: gl.constexpr = BLOCK_K // 2
-    a_bufs = gl.allocate_shared_memory(
-        dtype,
-        [2 * NUM_STAGES, BLOCK_R, HALF_K],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_R, HALF_K], dtype),
-    )
-    b_bufs = gl.allocate_shared_memory(
-        dtype, [NUM_STAGES, BLOCK_R, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_N], dtype)
-    )
-    c_bufs = gl.allocate_shared_memory(out_desc.dtype, [C_TILES, HALF_K, BLOCK_N], out_desc.layout)
+    a_bufs = operand_ring(dtype, 2 * NUM_STAGES, BLOCK_R, BLOCK_K // 2)  # a slot's two column halves
+    b_bufs = operand_ring(dtype, NUM_STAGES, BLOCK_R, BLOCK_N)
+    c_bufs = gl.allocate_shared_memory(out_desc.dtype, [C_TILES, BLOCK_K // 2, BLOCK_N], out_desc.layout)
     ready, empty = ring_barriers(NUM_STAGES, True)
     c_turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(c_turn.index(i), count=1)
-    # fmt: off
-    gl.warp_specialize(
-        [
-            (_loader, (
-                a_ptr, b_ptr, group_sizes_ptr, a_bufs, b_bufs, ready, empty, M, K, N, G, stride_am, stride_bm,
-                NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G,
-            )),
-            (_consumer, (
-                out_desc, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, c_turn, M, K, N, G, 0,
-                NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G,
-            )),
-            (_consumer, (
-                out_desc, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, c_turn, M, K, N, G, 1,
-                NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G,
-            )),
-        ],
-        [CONSUMER_WARPS, CONSUMER_WARPS],
-        [CONSUMER_REGS, CONSUMER_REGS],
-    )
-    # fmt: on
+    warp_specialize_ring(
+        _loader,
+        (
+            a_ptr, b_ptr, group_sizes_ptr, a_bufs, b_bufs, ready, empty, M, K, N, G, stride_am, stride_bm,
+            NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G,
+        ),
+        _consumer,
+        (
+            out_desc, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, c_turn, M, K, N, G, NUM_PROGRAMS,
+            BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G,
+        ),
+        CONSUMER_REGS,
+    )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -69,7 +69,8 @@ def _m_epilogue(
     if TMA_STORE:
         # The tile's L owned rows sit at r = BM - L.. of the view's block at t = row0 + L, and its rows past
         # the group's end at r >= BM, which the copy engine clips (see _clipped_out_desc). The reshape keeps
-        # the wgmma layout, so the staging write needs no layout-conversion scratch (perf-notes 25).
+        # the wgmma layout, so the staging write needs no layout-conversion scratch
+        # (docs/design.md, 'TMA stores').
         owned = tl.minimum(row_end - row0, BM)
         out_desc.store(
             [(row0 + owned).to(tl.int32), (BM - owned).to(tl.int32), col0.to(tl.int32)],
@@ -90,7 +91,8 @@ def _clipped_out_desc(out_ptr, M, N: tl.constexpr, stride_om, BM: tl.constexpr, 
     rows t + r - BM .. t - 1 of out, and the copy engine drops its rows at r >= BM: stored at t = row_end
     of a tile's rows, r = BM - rows, it writes exactly those rows, so one bulk copy stores a group's partial
     last tile without touching the next group's rows, which a 2-D descriptor over out cannot clip. Made on the
-    device (Triton's global scratch), so the launch encodes no host descriptor (perf-notes 24: ~22 us)."""
+    device (Triton's global scratch), so the launch encodes no host descriptor
+    (docs/design.md, 'TMA stores')."""
     return tl.make_tensor_descriptor(
         out_ptr - BM * stride_om, [M + BM, BM, N], [stride_om, stride_om, 1], [1, BM, BLOCK_N]
     )
@@ -250,8 +252,8 @@ def m_grouped_mm_kernel(
     # Pointers first, the output last among them; sizes and strides follow so that jax-triton can
     # pass them all as constexprs (its runtime int scalars carry no divisibility facts, which would
     # disable vectorized, pipelined loads). N, K and G are constexprs for every caller: fixed per
-    # layer, and compiled in they gave +3-6% on compute-bound shapes (docs/perf-notes.md, 9). M, the
-    # token count, stays a runtime int, so batch sizes share a compiled kernel.
+    # layer, and compiled in they gave +3-6% on compute-bound shapes (docs/design.md, 'Compiled-in sizes'). M,
+    # the token count, stays a runtime int, so batch sizes share a compiled kernel.
     x_ptr,
     w_ptr,
     group_sizes_ptr,
@@ -335,8 +337,8 @@ def m_grouped_mm_kernel(
         if FLAT_WHOLE_TILES:
             # Where every group's rows fill whole row tiles (balanced routing, or layouts padded per expert) no
             # tile is partial, so the per-tile loop's half-high tiles have nothing to save; the flat loop wins
-            # there at K 2048-3072 and loses with partial tiles (perf-notes 32). Both loops are compiled in; the
-            # group sizes on the device pick one.
+            # there at K 2048-3072 and loses with partial tiles (docs/design.md, 'Flat loop'). Both loops are
+            # compiled in; the group sizes on the device pick one.
             partial_tiles = tl.sum(((offs < G) & ((ends - starts) % BLOCK_M != 0)).to(tl.int32), 0)
             run_flat = partial_tiles == 0
         if run_flat:
@@ -348,8 +350,8 @@ def m_grouped_mm_kernel(
             return
     # The work items: tiles, except that with TAIL_SPLIT the last, partial round's tiles (``tail`` of them,
     # after ``full`` tiles of whole rounds) run as two half-high items each where that leaves no program
-    # with two (perf-notes 30): a round that would keep ``tail`` SMs busy for a whole tile time keeps twice
-    # as many busy for about half of it.
+    # with two (docs/design.md, 'Split last round'): a round that would keep ``tail`` SMs busy for a whole
+    # tile time keeps twice as many busy for about half of it.
     full = total_tiles
     n_work = total_tiles
     if TAIL_SPLIT:
@@ -369,12 +371,12 @@ def m_grouped_mm_kernel(
         col0 = n_tile * BLOCK_N
         if lower:
             row0 += HALF_M
-        # A half-high tile: half of a split tail tile, or (MIXED_M, perf-notes 27) a group's last row tile
-        # with at most half its rows left, where the full tile's MMA work would mostly be on rows it never
-        # stores. One call site for both: with two, the sm_90a compile of the mixed-height forward took
-        # 245 760 bytes of shared memory instead of 147 456 (more than an SM has). It takes the masked store
-        # (the TMA store's block is BLOCK_M high); an empty lower half (its group had at most HALF_M rows left)
-        # does nothing.
+        # A half-high tile: half of a split tail tile, or (MIXED_M, docs/design.md, 'Mixed tile heights') a
+        # group's last row tile with at most half its rows left, where the full tile's MMA work would mostly
+        # be on rows it never stores. One call site for both: with two, the sm_90a compile of the mixed-height
+        # forward took 245 760 bytes of shared memory instead of 147 456 (more than an SM has). It takes the
+        # masked store (the TMA store's block is BLOCK_M high); an empty lower half (its group had at most
+        # HALF_M rows left) does nothing.
         if TAIL_SPLIT and MIXED_M:
             half = (work >= full) | (row_end - row0 <= HALF_M)
         elif TAIL_SPLIT:
@@ -431,10 +433,10 @@ def tma_load_fits(K: int, block_k: int, w_k_contiguous: bool) -> bool:
     return w_k_contiguous or K % block_k == 0
 
 
-# The longest reduction (K) on which the GPU runs half-high tail tiles. Measured on the H100 (perf-notes 27,
-# paired clock, two runs): over every tile full height, +0.5-2.8% on the suite's launches with K <= 2880 and
-# -1.1% to -4.8% on those with K >= 4096, the rule the suite gave; on the held-out set every launch under it
-# gained or held (-0.2% to +2.8%) and the four at K = 4096 went -3.4% to +1.4%.
+# The longest reduction (K) on which the GPU runs half-high tail tiles. Measured on the H100
+# (docs/design.md, 'Mixed tile heights'; paired clock, two runs): over every tile full height, +0.5-2.8% on the suite's
+# launches with K <= 2880 and -1.1% to -4.8% on those with K >= 4096, the rule the suite gave; on the held-out
+# set every launch under it gained or held (-0.2% to +2.8%) and the four at K = 4096 went -3.4% to +1.4%.
 MIXED_M_MAX_K = 4095
 
 
@@ -445,19 +447,19 @@ def half_tiles_fit(block_m: int, K: int, N: int, interpret: bool) -> bool:
     are 32 high), so that CI runs both paths.
 
     Why the alignment: with rows Triton cannot vectorize (K = 31, N = 17, bias, K-contiguous w) the H100
-    computed wrong half-high tiles (perf-notes 27; the interpreter was right, and so was every 16-aligned
-    shape the GPU tests run). Such rows also keep loads out of the software pipeline, so the half-high tile
-    would gain nothing there."""
+    computed wrong half-high tiles (docs/design.md, 'Mixed tile heights'; the interpreter was right, and so
+    was every 16-aligned shape the GPU tests run). Such rows also keep loads out of the software pipeline, so
+    the half-high tile would gain nothing there."""
     if interpret:
         return block_m >= 32
     return block_m >= 128 and K % 16 == 0 and N % 16 == 0
 
 
 # The longest reduction (K) on which launches with TMA loads take the flat loop (FLAT). Measured on the H100
-# (perf-notes 31, paired, Dirichlet and balanced sizes, flat over the nested loop with its TMA store, mixed
-# heights and split tail): on the suite's two launches with K <= 1536 +2.9/-0.5% and +2.4/+0.4%; from K = 2048 up
-# -1.9% to +1.8% and -6.0% on gpt-oss-120b fwd (K 2880). Held out (validation only), K = 512-1408: +1.5/+6.9%,
-# +4.0/+7.7%, +3.8/-2.7%.
+# (docs/design.md, 'Flat loop'; paired, Dirichlet and balanced sizes, flat over the nested loop with its TMA
+# store, mixed heights and split tail): on the suite's two launches with K <= 1536 +2.9/-0.5% and +2.4/+0.4%;
+# from K = 2048 up -1.9% to +1.8% and -6.0% on gpt-oss-120b fwd (K 2880). Held out (validation only), K =
+# 512-1408: +1.5/+6.9%, +4.0/+7.7%, +3.8/-2.7%.
 FLAT_MAX_K = 1536
 
 
@@ -484,11 +486,11 @@ def flat_fits(config, K: int, in_itemsize: int, tma_load: bool, has_group_offset
 
 
 # The longest reduction on which a launch takes the flat loop where every group's rows fill whole BLOCK_M tiles
-# (FLAT_WHOLE_TILES; the kernel decides from group_sizes). Measured on the H100 (perf-notes 32, paired, the flat
-# loop with the TMA store over the per-tile loop at K 2048-3072): with balanced sizes (every group a multiple of 128
-# rows) +1.0% to +2.7% on 8 of 9 launches (qwen3next dgrad -0.6%); with Dirichlet sizes -2.0% to +0.7%, where the
-# per-tile loop's half-high tiles pay. With this rule, over the launcher without it: +1.0% geomean on its 10
-# launches with balanced sizes, 1.000x with Dirichlet sizes.
+# (FLAT_WHOLE_TILES; the kernel decides from group_sizes). Measured on the H100 (docs/design.md, 'Flat loop';
+# paired, the flat loop with the TMA store over the per-tile loop at K 2048-3072): with balanced sizes (every
+# group a multiple of 128 rows) +1.0% to +2.7% on 8 of 9 launches (qwen3next dgrad -0.6%); with Dirichlet
+# sizes -2.0% to +0.7%, where the per-tile loop's half-high tiles pay. With this rule, over the launcher
+# without it: +1.0% geomean on its 10 launches with balanced sizes, 1.000x with Dirichlet sizes.
 FLAT_WHOLE_TILES_MAX_K = 3072
 
 
@@ -552,7 +554,7 @@ class MGroupedLaunch:
         (``mixed_m_fits``).
         tail_split: the last, partial round of tiles may run as half-high halves on twice as many programs
         (same caller check as mixed_m; used where half-high tiles fit, ``half_tiles_fit``).
-        flat: one loop over every step of the program's tiles (``configs.M_FLAT``); used where ``flat_fits``, and
+        flat: one loop over every step of the program's tiles (``plan.Constraints.flat``); used where ``flat_fits``, and
         then with neither mixed heights nor a split tail; where ``flat_whole_tiles_fits``, only if every group's
         rows fill whole row tiles (the kernel checks group_sizes), the per-tile loop otherwise.
         """

@@ -6,19 +6,18 @@ sum(group_sizes) are 0). This kernel runs the promoted mode only: each BLOCK_K s
 leaves the tensor cores and is added (blockwise: scaled) into an fp32 accumulator.
 
 Why warp specialization: a promotion reads its wgmma's result, so the issuing warpgroup must wait for
-the wgmma to drain first. In one instruction stream (the Triton kernel, and the unspecialized Gluon
-probe of perf-notes 14) the tensor cores idle through every promotion: 627 TF/s blockwise on the H100
-against 1271 with fast accumulation. Here, as in DeepGEMM, two consumer warpgroups each own half of
-the tile's rows and run their own wgmma -> wait -> promote loop, synchronized only through mbarriers
-with the loader, so one's promotion runs under the other's wgmma.
+the wgmma to drain first, and in one instruction stream the tensor cores idle through every promotion
+(627 TF/s blockwise on the H100 against 1271 with fast accumulation). Here, as in DeepGEMM, two consumer
+warpgroups each own half of the tile's rows and run their own wgmma -> wait -> promote loop, so one's
+promotion runs under the other's wgmma (docs/design.md, 'Warp-specialized FP8 kernels').
 
-Partitions (``gl.warp_specialize``):
-- default (the launch's num_warps, 4): the loader. cp.async into a ring of NUM_STAGES NVMMA-swizzled
-  slots, one ``cp.async.mbarrier.arrive.noinc`` per thread on the slot's ``ready`` barrier. Not TMA:
-  the kernel must stay launchable where host tensor descriptors cannot be passed (jax-triton 0.3.1).
-- two workers of 4 warps: the consumers, rows [h * BLOCK_M / 2, (h + 1) * BLOCK_M / 2) of each tile.
-  Each waits ``ready``, runs its wgmma, arrives on ``empty`` (count 2) and promotes; then the epilogue
-  (tensor/row scales, bias, masked store straight from the wgmma registers).
+The ring, its protocol, the partitions and the consumers' K loop are ``gluon_hopper``'s (``warp_specialize_ring``,
+``promoted_mainloop``); this module adds:
+- ``_loader``: cp.async of each step's x [BLOCK_M, BLOCK_K] and w [BLOCK_N, BLOCK_K] tiles and (blockwise) the
+  activation scales sx [BLOCK_M] into the ring. Not TMA: the kernel must stay launchable where host tensor
+  descriptors cannot be passed (jax-triton 0.3.1).
+- ``_step``: one K step of a consumer: wgmma, the blockwise scales read under it, the promotion.
+- ``_epilogue``: tensor/row scales, bias, the masked store straight from the wgmma registers.
 Every partition walks the same persistent tile sequence (``moegemm._src.kernels.schedule``), computed from
 group_sizes by each (workers take no tensors), so the ring's slot and phase agree without messages.
 
@@ -33,23 +32,25 @@ import dataclasses
 import triton
 
 from moegemm._src.kernels.gluon_hopper import (
-    CONSUMER_WARPS,
     LOADER_WARPS,
     MAXNREG,
+    acquire_slot,
     async_load,
+    commit_slot,
     copy_layout,
     gl,
     gluon,
     m_tile_space,
-    mark_slot_loaded,
-    release_slot,
+    operand_ring,
+    promoted_mainloop,
     ring_barriers,
+    scale_ring,
     sched_layout,
     supported,
-    wait_slot_free,
-    wait_slot_ready,
+    warp_specialize_ring,
     warpgroup_mma,
     warpgroup_mma_wait,
+    wgmma_layout,
 )
 from moegemm._src.kernels.schedule import locate_row_tile
 
@@ -124,7 +125,7 @@ def _loader(
         b_mask = (cp_n < N - col0)[:, None]
         k_steps = gl.where(g < G, gl.cdiv(K, BLOCK_K), 0)
         for k in range(k_steps):
-            slot = wait_slot_free(empty, step)
+            slot = acquire_slot(empty, step)
             k0 = k * BLOCK_K
             if EVEN_K:
                 async_load(a_bufs.index(slot), x_base + k0 + x_offs, mask=a_mask)
@@ -136,7 +137,7 @@ def _loader(
             if SCALING == 2:
                 kb = k0 // SCALE_BLOCK
                 async_load(sx_bufs.index(slot), sx_rows + kb * stride_sxk, mask=sx_mask)
-            mark_slot_loaded(ready, slot)
+            commit_slot(ready, slot)
             step += 1
 
 
@@ -166,7 +167,6 @@ def _consumer(
     stride_swg,
     stride_swn,
     stride_swk,
-    HALF: gl.constexpr,
     NUM_PROGRAMS: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -177,17 +177,13 @@ def _consumer(
     SCALING: gl.constexpr,
     SCALE_BLOCK: gl.constexpr,
     PROXY_FENCE: gl.constexpr,
+    HALF: gl.constexpr,
 ):
-    """Rows [HALF * BLOCK_M / 2, (HALF + 1) * BLOCK_M / 2) of every tile: wgmma, promote, release.
-
-    A BLOCK_N of 256 runs as two 128-column halves, one after the other, each with its own
-    accumulator: two 64 x 128 fp32 accumulators and one partial fit a warpgroup's registers, a
-    64 x 256 accumulator and its partial (256 registers a thread) do not."""
+    """Rows [HALF * BLOCK_M / 2, (HALF + 1) * BLOCK_M / 2) of every tile: ``promoted_mainloop`` with ``_step``,
+    then ``_epilogue`` for each 128-column part."""
     SUB_M: gl.constexpr = BLOCK_M // 2
     SUB_N: gl.constexpr = BLOCK_N if BLOCK_N <= 128 else 128
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, SUB_N, 32]
-    )
+    mma_layout: gl.constexpr = wgmma_layout(SUB_N, 32)
     offs_m = gl.arange(0, SUB_M, layout=gl.SliceLayout(1, mma_layout))
     offs_n = gl.arange(0, SUB_N, layout=gl.SliceLayout(0, mma_layout))
     n_tiles = gl.cdiv(N, BLOCK_N)
@@ -205,24 +201,13 @@ def _consumer(
         col0 = n_tile * BLOCK_N
         g_w = gl.minimum(g, G - 1).to(gl.int64)  # the tail slot reads no weight or scale
         rows_g = (row0 + offs_m).to(gl.int64)
-        acc0 = gl.zeros([SUB_M, SUB_N], gl.float32, mma_layout)
-        acc1 = gl.zeros([SUB_M, SUB_N], gl.float32, mma_layout)  # BLOCK_N 256 only
         k_steps = gl.where(g < G, gl.cdiv(K, BLOCK_K), 0)
-        for k in range(k_steps):
-            slot = wait_slot_ready(ready, step, PROXY_FENCE)
-            a = a_bufs.index(slot).slice(HALF * SUB_M, SUB_M)
-            sw_base = sw_ptr + g_w * stride_swg + ((k * BLOCK_K) // SCALE_BLOCK) * stride_swk
-            acc0, partial = _step(
-                a, b_bufs.index(slot), sx_bufs.index(slot), partial, acc0, sw_base, col0, N, stride_swn, offs_n,
-                0, HALF, SUB_N, SCALING, SCALE_BLOCK,
-            )  # fmt: skip
-            if BLOCK_N > SUB_N:
-                acc1, partial = _step(
-                    a, b_bufs.index(slot), sx_bufs.index(slot), partial, acc1, sw_base, col0, N, stride_swn,
-                    offs_n, 1, HALF, SUB_N, SCALING, SCALE_BLOCK,
-                )  # fmt: skip
-            release_slot(empty, slot)
-            step += 1
+        acc0, acc1, partial, step = promoted_mainloop(
+            _step,
+            (sx_bufs, sw_ptr, g_w, col0, N, stride_swg, stride_swn, stride_swk, offs_n, HALF, BLOCK_K, SCALING,
+             SCALE_BLOCK),
+            k_steps, step, partial, a_bufs, b_bufs, ready, empty, HALF, PROXY_FENCE,
+        )  # fmt: skip
         _epilogue(
             acc0, out_ptr, sx_ptr, sw_ptr, bias_ptr, g, g_w, G, rows_g, rows, col0, N, stride_om, stride_on,
             stride_bg, stride_bn, stride_sxg, stride_sxm, stride_swg, stride_swn, offs_m, offs_n, SCALING, HAS_BIAS,
@@ -237,16 +222,19 @@ def _consumer(
 
 @gluon.jit
 def _step(
-    a, b_slot, sx_slot, partial, acc, sw_base, col0, N, stride_swn, offs_n,
-    PART: gl.constexpr, HALF: gl.constexpr, SUB_N: gl.constexpr, SCALING: gl.constexpr, SCALE_BLOCK: gl.constexpr,
+    a, b_slot, slot, k, partial, acc, PART: gl.constexpr, sx_bufs, sw_ptr, g_w, col0, N, stride_swg, stride_swn,
+    stride_swk, offs_n, HALF: gl.constexpr, BLOCK_K: gl.constexpr, SCALING: gl.constexpr, SCALE_BLOCK: gl.constexpr,
 ):  # fmt: skip
-    """One K step of column part PART (SUB_N wide): wgmma into ``partial``, then acc += partial (scaled)."""
+    """K step k of column part PART (SUB_N wide), ``promoted_mainloop``'s step: wgmma into ``partial``, then
+    acc += partial (blockwise: times the step's activation scales from shared memory and the weight's)."""
+    SUB_N: gl.constexpr = partial.shape[1]
+    sw_base = sw_ptr + g_w * stride_swg + ((k * BLOCK_K) // SCALE_BLOCK) * stride_swk
     b = b_slot.slice(PART * SUB_N, SUB_N).permute((1, 0))
     token = warpgroup_mma(a, b, partial, use_acc=False, is_async=True)
     layout: gl.constexpr = partial.type.layout
     if SCALING == 2:  # loaded under the wgmma
         SUB_M: gl.constexpr = a.shape[0]
-        sx = sx_slot.slice(HALF * SUB_M, SUB_M).load(gl.SliceLayout(1, layout))
+        sx = sx_bufs.index(slot).slice(HALF * SUB_M, SUB_M).load(gl.SliceLayout(1, layout))
         c0 = col0 + PART * SUB_N
         # The weight's scales along K are contiguous: one L1 line serves 32 steps.
         if SCALE_BLOCK % SUB_N == 0:  # the part sits inside one weight block
@@ -337,49 +325,26 @@ def m_grouped_mm_fp8_ws_kernel(
     gl.static_assert(
         SCALING != 2 or SCALE_BLOCK % BLOCK_K == 0, "blockwise scaling needs BLOCK_K dividing 128"
     )
-    x_dtype: gl.constexpr = x_ptr.dtype.element_ty
-    w_dtype: gl.constexpr = w_ptr.dtype.element_ty
-    a_bufs = gl.allocate_shared_memory(
-        x_dtype,
-        [NUM_STAGES, BLOCK_M, BLOCK_K],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], x_dtype),
-    )
-    b_bufs = gl.allocate_shared_memory(
-        w_dtype,
-        [NUM_STAGES, BLOCK_N, BLOCK_K],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], w_dtype),
-    )
-    sx_bufs = gl.allocate_shared_memory(
-        gl.float32, [NUM_STAGES, BLOCK_M], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    )
+    a_bufs = operand_ring(x_ptr.dtype.element_ty, NUM_STAGES, BLOCK_M, BLOCK_K)
+    b_bufs = operand_ring(w_ptr.dtype.element_ty, NUM_STAGES, BLOCK_N, BLOCK_K)
+    sx_bufs = scale_ring(NUM_STAGES, BLOCK_M)
     ready, empty = ring_barriers(NUM_STAGES)
-    # Partition arguments are spelled out in place: a tuple built in a variable first loses the
-    # constexpr-ness of its entries (triton 3.6).
-    # fmt: off
-    gl.warp_specialize(
-        [
-            (_loader, (
-                x_ptr, w_ptr, sx_ptr, group_sizes_ptr, a_bufs, b_bufs, sx_bufs, ready, empty, M, N, K, G, stride_xm,
-                stride_wg, stride_wn, stride_sxm, stride_sxk, SCALING, SCALE_BLOCK, NUM_PROGRAMS, BLOCK_M, BLOCK_N,
-                BLOCK_K, GROUP_M, BLOCK_G, EVEN_K,
-            )),
-            (_consumer, (
-                sx_ptr, sw_ptr, bias_ptr, out_ptr, group_sizes_ptr, a_bufs, b_bufs, sx_bufs, ready, empty, M, N, K,
-                G, stride_om, stride_on, stride_bg, stride_bn, stride_sxg, stride_sxm, stride_sxk, stride_swg,
-                stride_swn, stride_swk, 0, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, BLOCK_G, HAS_BIAS,
-                SCALING, SCALE_BLOCK, PROXY_FENCE,
-            )),
-            (_consumer, (
-                sx_ptr, sw_ptr, bias_ptr, out_ptr, group_sizes_ptr, a_bufs, b_bufs, sx_bufs, ready, empty, M, N, K,
-                G, stride_om, stride_on, stride_bg, stride_bn, stride_sxg, stride_sxm, stride_sxk, stride_swg,
-                stride_swn, stride_swk, 1, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, BLOCK_G, HAS_BIAS,
-                SCALING, SCALE_BLOCK, PROXY_FENCE,
-            )),
-        ],
-        [CONSUMER_WARPS, CONSUMER_WARPS],
-        [CONSUMER_REGS, CONSUMER_REGS],
-    )
-    # fmt: on
+    warp_specialize_ring(
+        _loader,
+        (
+            x_ptr, w_ptr, sx_ptr, group_sizes_ptr, a_bufs, b_bufs, sx_bufs, ready, empty, M, N, K, G, stride_xm,
+            stride_wg, stride_wn, stride_sxm, stride_sxk, SCALING, SCALE_BLOCK, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K,
+            GROUP_M, BLOCK_G, EVEN_K,
+        ),
+        _consumer,
+        (
+            sx_ptr, sw_ptr, bias_ptr, out_ptr, group_sizes_ptr, a_bufs, b_bufs, sx_bufs, ready, empty, M, N, K, G,
+            stride_om, stride_on, stride_bg, stride_bn, stride_sxg, stride_sxm, stride_sxk, stride_swg, stride_swn,
+            stride_swk, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, BLOCK_G, HAS_BIAS, SCALING, SCALE_BLOCK,
+            PROXY_FENCE,
+        ),
+        CONSUMER_REGS,
+    )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -137,7 +137,8 @@ def fp8_group_amax_kernel(
     CHUNKS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HAS_SIZES: tl.constexpr,
-    NUM_STAGES: tl.constexpr,  # tl.range num_stages: cp.async stages where C and strides are 16-divisible (perf-notes 20)
+    # cp.async stages where C and strides are 16-divisible (docs/design.md, 'Quantize')
+    NUM_STAGES: tl.constexpr,
 ):
     # Program (row tile, column segment), as fp8_quantize_tiles_kernel; one atomic per program.
     row_tile = tl.program_id(0)
@@ -194,7 +195,8 @@ def fp8_quantize_tiles_kernel(
     CHUNKS: tl.constexpr,  # BLOCK_C-wide column tiles per program
     BLOCK_G: tl.constexpr,
     HAS_SIZES: tl.constexpr,
-    NUM_STAGES: tl.constexpr,  # tl.range num_stages: cp.async stages where C and strides are 16-divisible (perf-notes 20)
+    # cp.async stages where C and strides are 16-divisible (docs/design.md, 'Quantize')
+    NUM_STAGES: tl.constexpr,
     SCALING: tl.constexpr,
     WRITE_Q: tl.constexpr,  # data and scale
     WRITE_T: tl.constexpr,  # data_t and scale_t; never both in one launch (see below)
@@ -207,7 +209,7 @@ def fp8_quantize_tiles_kernel(
     # so the group bookkeeping (a few reductions over BLOCK_G lanes) is paid once per CHUNKS tiles,
     # and a grid of every tile's program (an upper bound; the extra ones exit) keeps many small tiles
     # in flight per SM: this kernel is bandwidth-bound, and a persistent loop of 128 x 128 tiles left
-    # it at 10-30% of HBM (perf-notes 18).
+    # it at 10-30% of HBM (docs/design.md, 'Quantize').
     row_tile = tl.program_id(0)
     offs, starts, ends = _bounds(group_sizes_ptr, G, R, rows_per_group, BLOCK_G, HAS_SIZES)
     t_units = aligned_group_offsets(offs, starts, ends, G, T_ALIGN)
@@ -319,7 +321,8 @@ def fp8_quantize_rows_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HAS_SIZES: tl.constexpr,
-    NUM_STAGES: tl.constexpr,  # tl.range num_stages: cp.async stages where C and strides are 16-divisible (perf-notes 20)
+    # cp.async stages where C and strides are 16-divisible (docs/design.md, 'Quantize')
+    NUM_STAGES: tl.constexpr,
     FP8_MAX: tl.constexpr,
     EMULATE_CAST: tl.constexpr,  # interpreter only
 ):
@@ -369,7 +372,8 @@ def fp8_quantize_cols_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HAS_SIZES: tl.constexpr,
-    NUM_STAGES: tl.constexpr,  # tl.range num_stages: cp.async stages where C and strides are 16-divisible (perf-notes 20)
+    # cp.async stages where C and strides are 16-divisible (docs/design.md, 'Quantize')
+    NUM_STAGES: tl.constexpr,
     T_GROUP_LOCAL: tl.constexpr,
     FP8_MAX: tl.constexpr,
     EMULATE_CAST: tl.constexpr,  # interpreter only

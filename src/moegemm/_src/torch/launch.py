@@ -4,8 +4,8 @@
 
 Why a direct path: ``JITFunction.run`` re-derives, on every call, the specialization of ~30 arguments
 (pointer alignment, integer divisibility), a string cache key and the launch options. That cost
-38-52 us per launch on the H100 host (docs/perf-notes.md, 8), more than a small grouped GEMM takes on
-the GPU. ``DirectLaunch`` lets Triton bind the first call of each specialization as usual, keeps the
+38-52 us per launch on the H100 host (docs/design.md, 'Direct launch'), more than a small grouped GEMM takes
+on the GPU. ``DirectLaunch`` lets Triton bind the first call of each specialization as usual, keeps the
 CompiledKernel it returns, and calls its launcher for later calls with the same key.
 """
 
@@ -13,60 +13,39 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 import triton
 from triton.runtime import _allocation
 
-from moegemm._src import configs
+from moegemm._src import plan
 from moegemm._src.kernels import k_grouped_ws as k_ws
 from moegemm._src.kernels.gluon_hopper import TensorDescriptor
-from moegemm._src.kernels.k_grouped import KGroupedLaunch, k_grouped_mm_kernel
-from moegemm._src.kernels.m_grouped import MGroupedLaunch, m_grouped_mm_kernel
+from moegemm._src.kernels.k_grouped import k_grouped_mm_kernel
+from moegemm._src.kernels.m_grouped import m_grouped_mm_kernel
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 # Programs of a persistent launch under the interpreter: odd and small, so the stride loop is exercised.
-INTERPRET_PROGRAMS = 3
-# MOEGEMM_DIRECT_LAUNCH=0 sends every launch through JITFunction.run (to measure what the direct path saves).
-DIRECT_LAUNCH = os.environ.get("MOEGEMM_DIRECT_LAUNCH", "1") != "0"
-# BF16/FP16 output tiles go through a TMA descriptor (the bulk copy runs under the next tile's main
-# loop) on launches of at least TMA_STORE_MIN_FLOPS: on the H100 that gained 0.6% geomean device time
-# over the 57 suite and held-out case-ops (three A/B runs; +7% on one case, -9% on another), and a host
-# descriptor costs the host time (encoding in Triton's launcher), which only a launch running longer than
-# that hides (perf-notes 24). The Triton kernels make their descriptor themselves (Triton's global scratch,
-# as for TMA loads): +0.4 us a launch over TMA loads alone (m-grouped, perf-notes 32), +4.4 us over the
-# register store (k-grouped, against +8 us for the host descriptor it replaced; perf-notes 33). The
-# warp-specialized wgrad keeps a host descriptor (see launch_k_grouped).
-# MOEGEMM_TMA_STORE=0 turns it off. Both are read at call time.
-TMA_STORE = os.environ.get("MOEGEMM_TMA_STORE", "1") != "0"
-TMA_STORE_MIN_FLOPS = 5e10
-# TMA loads (bf16/fp16, sm90): the m-grouped kernel reads x and w through two descriptors it makes once
-# per program, the flat k-grouped loop reads a and b through descriptors it makes per group (configs with
-# tma_load): no address or mask arithmetic per step and no CTA barrier between steps. Triton's launcher
-# then allocates the descriptors' global scratch per call, which costs host time (wgrad 32.3 vs 24.4 us,
-# fwd 20.2 vs 15.5 us on the H100; perf-notes 25, 26), so, as for the TMA store, only launches of at least
-# TMA_LOAD_MIN_FLOPS use them (below, the same config loads through cp.async). Measured gain of the
-# m-grouped loads, paired timing: +0.4-0.6% geomean over 34 fwd/dgrad case-ops, -1.4% to +6% per case
-# (perf-notes 26). MOEGEMM_TMA_LOAD=0 keeps cp.async everywhere. Both are read at call time.
-TMA_LOAD = os.environ.get("MOEGEMM_TMA_LOAD", "1") != "0"
-TMA_LOAD_MIN_FLOPS = 5e10
-# The warp-specialized wgrad (kernels/k_grouped_ws.py: TMA loader, TMA-store epilogue) on sm90 for 2-byte
-# wgrads that could take both TMA paths above, where configs.pick_k_ws_config routes them (groups of more than
-# 192 rows on average; perf-notes 28, 29). MOEGEMM_WS_WGRAD=0 keeps the Triton kernel. Read at call time.
-WS_WGRAD = os.environ.get("MOEGEMM_WS_WGRAD", "1") != "0"
+INTERPRET_PROGRAMS = plan.INTERPRET.programs
+# MOEGEMM_DIRECT_LAUNCH=0 sends every launch through JITFunction.run (plan.SWITCHES; read at import).
+DIRECT_LAUNCH = plan.SWITCHES.direct_launch
+# What this launcher passes (moegemm._src.plan.Capabilities): host descriptors, Triton's global scratch
+# (_ensure_allocator), Gluon kernels where this Triton has them (compiled launches only).
+CAPABILITIES = plan.Capabilities(
+    host_descriptors=True, global_scratch=True, gluon=k_ws.supported() and not INTERPRET
+)
 
 
 @functools.cache
-def _device_traits(index: int) -> tuple[str, str, int]:
+def _device_traits(index: int) -> plan.Target:
     props = torch.cuda.get_device_properties(index)
     target = "sm90" if (props.major, props.minor) == (9, 0) else "cuda"
-    return target, props.name, props.multi_processor_count
+    return plan.Target(target, props.name, props.multi_processor_count)
 
 
-def _target(device: torch.device) -> tuple[str, str, int]:
+def _target(device: torch.device) -> plan.Target:
     if device.type == "cpu":
-        return "interpret", "", INTERPRET_PROGRAMS
+        return plan.INTERPRET
     return _device_traits(device.index if device.index is not None else torch.cuda.current_device())
 
 
@@ -74,59 +53,35 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _pick_config(op: str, target: str, device_name: str, programs: int, dtype, tma: bool = True, **sizes):
-    """The tile config for a launch of ``op`` with sizes G, N, K, M (configs.pick_config); the TMA-only
-    candidates on sm90 where the launch can take them (``tma``)."""
-    return configs.pick_config(
-        op,
-        target,
-        device_name=device_name,
-        dtype=_dtype_name(dtype),
-        sms=programs,
-        tma=tma and target == "sm90",
-        **sizes,
-    )
-
-
-# Launch descriptions depend only on static facts (shapes, dtype, device, stride class), so they are
-# memoized.
+# Launch plans depend only on static facts (shapes, dtype, device, stride class, layout facts), so they are
+# memoized here on the spec DirectLaunch keys on; plan.constrain clears them (plan.on_change below).
 @functools.lru_cache(maxsize=4096)
 def _m_launch(
     M, N, K, G, dtype, device, max_stride, w_k_contiguous, has_bias, tma_store, tma_load, rows_aligned=False
-) -> MGroupedLaunch:  # fmt: skip
-    """tma_store: out can take a TMA descriptor; tma_load: x and w can (as in _k_launch); rows_aligned: x's,
-    w's and out's rows are 16-element aligned with unit inner strides (half-high tiles may run)."""
-    target, device_name, programs = _target(device)
-    # The m-grouped TMA-only candidates were measured on forward launches (K-contiguous w) with TMA loads.
-    tma = tma_load and w_k_contiguous
-    config = _pick_config("m_grouped", target, device_name, programs, dtype, tma=tma, G=G, N=N, K=K, M=M)
-    return MGroupedLaunch.make(
+) -> plan.Plan:  # fmt: skip
+    """tma_store: out's layout takes a TMA descriptor; tma_load: x's and w's do (launch_m_grouped checks
+    both); rows_aligned: x's, w's and out's rows are 16-element aligned with unit inner strides (half-high
+    tiles may run). The plan decides what the launch takes."""
+    problem = plan.Problem(
+        plan.M_GROUPED,
         M,
         N,
         K,
         G,
-        config=config,
-        num_programs_cap=programs,
-        fp32_inputs=dtype == torch.float32,
-        interpret=target == "interpret",
+        _dtype_name(dtype),
         max_stride=max_stride,
         w_k_contiguous=w_k_contiguous,
         has_bias=has_bias,
-        tma_store=tma_store and target in ("sm90", "interpret"),
-        tma_load=tma_load and target in ("sm90", "interpret"),
-        mixed_m=configs.MIXED_M and rows_aligned,
-        tail_split=configs.TAIL_SPLIT and rows_aligned,
-        flat=configs.M_FLAT,
+        rows_aligned=rows_aligned,
+        tma_store_layout=tma_store,
+        tma_load_layout=tma_load,
     )
+    return plan.plan(problem, _target(device), CAPABILITIES)
 
 
-@functools.lru_cache(maxsize=16)
 def _ws_device(device: torch.device) -> bool:
     """Whether the warp-specialized kernels run here: Gluon present, an sm90 GPU (wgmma, setmaxnreg)."""
-    if device.type != "cuda" or INTERPRET or not k_ws.supported():
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index) == (9, 0)
+    return device.type == "cuda" and CAPABILITIES.gluon and _target(device).name == "sm90"
 
 
 @functools.lru_cache(maxsize=4096)
@@ -144,43 +99,48 @@ def _k_launch(
     out_itemsize,
     tma_store,
     tma_load,
-) -> KGroupedLaunch:
-    """tma_store: out can take a TMA descriptor; the launch uses one where the device has TMA (sm90, or
-    the interpreter, which runs the same path) and the config's shared memory leaves room.
-    tma_load: a and b can be described to TMA (KGroupedLaunch.make says when the kernel does)."""
-    target, device_name, programs = _target(device)
-    config = _pick_config("k_grouped", target, device_name, programs, dtype, G=G, N=N, K=K, M=M)
-    return KGroupedLaunch.make(
+) -> plan.Plan:
+    """The Triton kernel's plan. tma_store: out's layout takes a TMA descriptor; tma_load: a's and b's do
+    (launch_k_grouped checks both)."""
+    problem = plan.Problem(
+        plan.K_GROUPED,
         M,
         N,
         K,
         G,
-        config=config,
-        num_programs_cap=programs,
-        fp32_inputs=dtype == torch.float32,
-        accumulate=accumulate,
-        interpret=target == "interpret",
+        _dtype_name(dtype),
+        out_itemsize=out_itemsize,
         max_stride=max_stride,
         a_k_contiguous=a_k_contiguous,
+        accumulate=accumulate,
         a_colsum=a_colsum,
-        out_itemsize=out_itemsize,
-        tma_store=tma_store and target in ("sm90", "interpret"),
-        tma_load=tma_load and target in ("sm90", "interpret"),
+        tma_store_layout=tma_store,
+        tma_load_layout=tma_load,
     )
+    return plan.plan(problem, _target(device), CAPABILITIES)
 
 
 @functools.lru_cache(maxsize=4096)
-def _k_ws_launch(M, N, K, G, dtype, device, stride_am, stride_bm) -> k_ws.KGroupedWsLaunch | None:
-    """The warp-specialized wgrad's launch (out [G, K, N] = a^T b per group), or None where the Triton kernel
-    runs: a problem it does not take (``k_ws.supported_problem``), a device without Gluon's Hopper path, or a
-    shape ``configs.pick_k_ws_config`` keeps on the Triton kernel. Static facts only."""
-    if not (k_ws.supported_problem(K, N, dtype.itemsize, (stride_am, stride_bm), M) and _ws_device(device)):
-        return None
-    _, device_name, programs = _target(device)
-    config = configs.pick_k_ws_config(device_name=device_name, dtype=_dtype_name(dtype), G=G, N=N, K=K, M=M)
-    if config is None:
-        return None
-    return k_ws.KGroupedWsLaunch.make(M, N, K, G, config=config, num_programs_cap=programs)
+def _k_ws_launch(M, N, K, G, dtype, device, stride_am, stride_bm) -> plan.Plan | None:
+    """The warp-specialized wgrad's plan (out [G, K, N] = a^T b per group) for a launch whose out and
+    operands take descriptors, out contiguous in their dtype, no column sums; None where the plan keeps the
+    Triton kernel. Static facts only."""
+    problem = plan.Problem(
+        plan.K_GROUPED,
+        M,
+        N,
+        K,
+        G,
+        _dtype_name(dtype),
+        out_itemsize=dtype.itemsize,
+        max_stride=max(abs(stride_am), abs(stride_bm), K * N),
+        tma_store_layout=True,
+        tma_load_layout=True,
+        ws_layout=True,
+        row_strides=(stride_am, stride_bm),
+    )
+    chosen = plan.plan(problem, _target(device), CAPABILITIES)
+    return chosen if chosen.kernel == "k_grouped_ws" else None
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -298,12 +258,14 @@ K_GROUPED_WS = DirectLaunch(k_ws.k_grouped_mm_ws_kernel, descriptors=True)
 def clear_launch_cache() -> None:
     """Forget memoized and bound launches (after the config cache or pick_config changed, e.g. while tuning)."""
     _m_launch.cache_clear()
-    _ws_device.cache_clear()
     _k_launch.cache_clear()
     _k_ws_launch.cache_clear()
     M_GROUPED.clear()
     K_GROUPED.clear()
     K_GROUPED_WS.clear()
+
+
+plan.on_change(clear_launch_cache)
 
 
 def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = False) -> None:
@@ -324,37 +286,26 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
         return
     sx, so = x.stride(), out.stride()
     sb = (0, 0) if bias is None else bias.stride()
-    # The kernel's TMA descriptor over out (m_grouped._clipped_out_desc): N contiguous, the row stride and
-    # the base 16-byte aligned.
-    tma_store = (
-        TMA_STORE
-        and 2 * M * N * K >= TMA_STORE_MIN_FLOPS
-        and out.element_size() == 2
-        and so[1] == 1
-        and so[0] % 8 == 0
-        and out.data_ptr() % 16 == 0
-    )
     w_k_contiguous = sw[1] == 1 and sw[2] != 1
-    # Descriptors over x [M, K] and w's 2-D view ([G * N, K] or [G * K, N]): nonzero extents, unit inner
-    # strides, 16-byte row strides and bases, the experts back to back (one expert: any group stride), int32
-    # coordinates (the K-tail rule needs the config's BLOCK_K: m_grouped.tma_load_fits).
     w_rows, w_row_stride = (N, sw[2]) if w_k_contiguous else (K, sw[1])
-    tma_load = (
-        TMA_LOAD
-        and 2 * M * N * K >= TMA_LOAD_MIN_FLOPS
-        and K > 0
-        and M < 2**31
-        and G * w_rows < 2**31
-        and x.element_size() == 2
-        and sx[1] == 1
-        and sx[0] % 8 == 0
-        and (w_k_contiguous or sw[2] == 1)
-        and w_row_stride % 8 == 0
-        and (G == 1 or sw[0] == w_rows * w_row_stride)
-        and x.data_ptr() % 16 == 0
-        and w.data_ptr() % 16 == 0
-    )
-    # Half-high tail tiles only where every row is 16-element aligned (m_grouped.mixed_m_fits says why).
+    tma_store = tma_load = False
+    if plan.tma_candidate(M, N, K):  # the plan's size gate first: data pointers cost host time
+        # The kernel's TMA descriptor over out (m_grouped._clipped_out_desc): N contiguous, the row stride and
+        # the base 16-byte aligned.
+        tma_store = out.element_size() == 2 and so[1] == 1 and so[0] % 8 == 0 and out.data_ptr() % 16 == 0
+        # Descriptors over x [M, K] and w's 2-D view ([G * N, K] or [G * K, N]): unit inner strides, 16-byte row
+        # strides and bases, the experts back to back (one expert: any group stride); the plan checks the
+        # sizes (nonzero extents, int32 coordinates, the K-tail rule: m_grouped.tma_load_fits).
+        tma_load = (
+            sx[1] == 1
+            and sx[0] % 8 == 0
+            and (w_k_contiguous or sw[2] == 1)
+            and w_row_stride % 8 == 0
+            and (G == 1 or sw[0] == w_rows * w_row_stride)
+            and x.data_ptr() % 16 == 0
+            and w.data_ptr() % 16 == 0
+        )
+    # Half-high tail tiles only where every row is 16-element aligned (m_grouped.half_tiles_fit says why).
     rows_aligned = (
         sx[1] == 1
         and so[1] == 1
@@ -377,11 +328,8 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
     )
     b = x if bias is None else bias
     ints = (M, N, K, G, G, *sx, *sw, *so, *sb)
-    if tma_store or tma_load:
-        meta = _m_launch(*spec).meta
-        # Descriptors made in the kernel (TMA loads, the TMA store's view): Triton allocates their scratch.
-        if meta["TMA_LOAD"] or meta["TMA_STORE"]:
-            _ensure_allocator()
+    if (tma_store or tma_load) and _m_launch(*spec).scratch:
+        _ensure_allocator()  # descriptors made in the kernel: Triton allocates their scratch
     # No group offset (HAS_GROUP_OFFSET=False): the kernel never reads that slot; group_sizes fills it.
     M_GROUPED.launch(spec, (x, w, group_sizes, group_sizes, b, out), ints, lambda: _m_launch(*spec))
 
@@ -403,56 +351,50 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) ->
         return
     sa, sb, so = a.stride(), b.stride(), out.stride()
     ss = (0, 0) if a_colsum is None else a_colsum.stride()
-    # The kernel's TMA descriptor over out [G, K, N] (k_grouped._out_desc): N contiguous, the other strides and
-    # the base 16-byte aligned.
-    tma_store = (
-        TMA_STORE
-        and 2 * M * N * K >= TMA_STORE_MIN_FLOPS
-        and not accumulate
-        and out.element_size() == 2
-        and N > 0
-        and so[2] == 1
-        and so[0] % 8 == 0
-        and so[1] % 8 == 0
-        and out.data_ptr() % 16 == 0
-    )
-    # Descriptors over a [rows, K] and b [rows, N]: unit column strides, 16-byte row strides and bases
-    # (M > 0: an empty a's base is null, and a descriptor over it faults even with every row past it;
-    # M < 2**31: the kernel's row coordinates are int32).
-    tma_load = (
-        TMA_LOAD
-        and 2 * M * N * K >= TMA_LOAD_MIN_FLOPS
-        and 0 < M < 2**31
-        and a.element_size() == 2
-        and sa[1] == 1
-        and sb[1] == 1
-        and sa[0] % 8 == 0
-        and sb[0] % 8 == 0
-        and a.data_ptr() % 16 == 0
-        and b.data_ptr() % 16 == 0
-    )
-    # The warp-specialized kernel where both TMA paths apply, out is contiguous in a's dtype, and no column sums.
+    tma_store = tma_load = False
+    if plan.tma_candidate(M, N, K):  # the plan's size gate first: data pointers cost host time
+        # The kernel's TMA descriptor over out [G, K, N] (k_grouped._out_desc): N contiguous, the other strides
+        # and the base 16-byte aligned (the plan checks accumulation and N > 0).
+        tma_store = (
+            out.element_size() == 2
+            and so[2] == 1
+            and so[0] % 8 == 0
+            and so[1] % 8 == 0
+            and out.data_ptr() % 16 == 0
+        )
+        # Descriptors over a [rows, K] and b [rows, N]: unit column strides, 16-byte row strides and bases (the
+        # plan checks 0 < M < 2**31: an empty a's base is null, and the kernel's row coordinates are int32).
+        tma_load = (
+            sa[1] == 1
+            and sb[1] == 1
+            and sa[0] % 8 == 0
+            and sb[0] % 8 == 0
+            and a.data_ptr() % 16 == 0
+            and b.data_ptr() % 16 == 0
+        )
+    # The warp-specialized kernel where both TMA paths apply, out is contiguous in a's dtype, and no column sums
+    # (the plan decides: plan._plan_k_ws).
     if (
-        WS_WGRAD
-        and tma_store
+        tma_store
         and tma_load
         and a_colsum is None
+        and not accumulate
         and out.dtype == a.dtype == b.dtype
         and so == (K * N, N, 1)
     ):
-        ws_launch = _k_ws_launch(M, N, K, G, a.dtype, a.device, sa[0], sb[0])
-        if ws_launch is not None:
+        ws_plan = _k_ws_launch(M, N, K, G, a.dtype, a.device, sa[0], sb[0])
+        if ws_plan is not None:
             _ensure_allocator()  # the loader's descriptors live in Triton's global scratch
             # out's descriptor stays on the host (~10 us of host time a launch): made in the consumers it cost up
-            # to 3-6% of device time on short-group launches (dsv2lite-fc1; perf-notes 33).
-            block = [k_ws.BLOCK_K // 2, ws_launch.meta["BLOCK_N"]]
+            # to 3-6% of device time on short-group launches (docs/design.md, 'Warp-specialized wgrad').
+            block = [k_ws.BLOCK_K // 2, ws_plan.meta["BLOCK_N"]]
             layout = _nvmma_layout(*block, _GL_DTYPES[out.dtype])
             out_desc = TensorDescriptor(out.view(G * K, N), [G * K, N], [N, 1], block, layout)
             K_GROUPED_WS.launch(
                 ("ws", M, N, K, G, a.dtype, a.device, sa[0], sb[0]),
                 (out_desc, a, b, group_sizes),
                 (M, K, N, G, sa[0], sb[0]),
-                lambda: ws_launch,
+                lambda: ws_plan,
             )
             return
     spec = (
@@ -471,11 +413,8 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) ->
         tma_load,
     )
     colsum = out if a_colsum is None else a_colsum
-    if tma_store or tma_load:
-        meta = _k_launch(*spec).meta
-        # Descriptors made in the kernel (TMA loads, the TMA store's): Triton allocates their scratch.
-        if meta["TMA_LOAD"] or meta["TMA_STORE"]:
-            _ensure_allocator()
+    if (tma_store or tma_load) and _k_launch(*spec).scratch:
+        _ensure_allocator()  # descriptors made in the kernel: Triton allocates their scratch
     K_GROUPED.launch(
         spec,
         (a, b, group_sizes, group_sizes, out, colsum, out),

@@ -7,24 +7,27 @@ memoized on static facts, and launches go through ``DirectLaunch`` like the BF16
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 
-from moegemm._src import configs, fp8
+from moegemm._src import configs, fp8, plan
 from moegemm._src.kernels import k_grouped_fp8_ws as k_ws
 from moegemm._src.kernels import m_grouped_fp8_ws as ws
 from moegemm._src.kernels import quantize_fp8 as qk
-from moegemm._src.kernels.k_grouped_fp8 import KGroupedFp8Launch, k_grouped_mm_fp8_kernel
-from moegemm._src.kernels.m_grouped_fp8 import MGroupedFp8Launch, m_grouped_mm_fp8_kernel
-from moegemm._src.torch.launch import INTERPRET, DirectLaunch, _dtype_name, _target, _ws_device
+from moegemm._src.kernels.k_grouped_fp8 import k_grouped_mm_fp8_kernel
+from moegemm._src.kernels.m_grouped_fp8 import m_grouped_mm_fp8_kernel
+from moegemm._src.torch.launch import (
+    CAPABILITIES,
+    INTERPRET,
+    DirectLaunch,
+    _dtype_name,
+    _target,
+    _ws_device,  # noqa: F401  (tests ask where the Gluon kernels run)
+)
 
 M_GROUPED_FP8 = DirectLaunch(m_grouped_mm_fp8_kernel)
 M_GROUPED_FP8_WS = DirectLaunch(ws.m_grouped_mm_fp8_ws_kernel)
-# MOEGEMM_FP8_WS=0 runs every FP8 GEMM on the Triton kernels (the warp-specialized Gluon ones
-# otherwise take promoted-mode launches on sm90; benchmarks compare the two this way).
-FP8_WS = os.environ.get("MOEGEMM_FP8_WS", "1") != "0"
 K_GROUPED_FP8 = DirectLaunch(k_grouped_mm_fp8_kernel)
 K_GROUPED_FP8_WS = DirectLaunch(k_ws.k_grouped_mm_fp8_ws_kernel)
 GROUP_AMAX = DirectLaunch(qk.fp8_group_amax_kernel)
@@ -46,12 +49,14 @@ LAUNCHES = (
 def clear_launch_cache() -> None:
     _m_launch.cache_clear()
     _m_ws_launch.cache_clear()
-    _ws_device.cache_clear()
     _k_launch.cache_clear()
     _k_ws_launch.cache_clear()
     _quantize_config.cache_clear()
     for launch in LAUNCHES:
         launch.clear()
+
+
+plan.on_change(clear_launch_cache)  # plan.constrain(fp8_ws=False) runs every FP8 GEMM on the Triton kernels
 
 
 fp8_op = fp8.config_op  # the config table and cache key rules both front ends share
@@ -62,137 +67,109 @@ def fp8_key_dtype(recipe: str, dtype, fast_accum: bool) -> str:
 
 
 @functools.lru_cache(maxsize=4096)
-def _m_launch(M, N, K, G, recipe, dtype, device, max_stride, has_bias, fast_accum) -> MGroupedFp8Launch:
-    target, device_name, programs = _target(device)
-    config = configs.pick_config(
-        fp8_op("m_grouped_fp8", recipe, fast_accum),
-        target,
-        device_name=device_name,
-        dtype=fp8_key_dtype(recipe, dtype, fast_accum),
-        G=G,
-        N=N,
-        K=K,
-        M=M,
-    )
-    return MGroupedFp8Launch.make(
+def _m_launch(M, N, K, G, recipe, dtype, device, max_stride, has_bias, fast_accum) -> plan.Plan:
+    """The Triton FP8 kernel's plan (no warp-specialized layout facts: the plan keeps the Triton kernel)."""
+    problem = plan.Problem(
+        plan.M_GROUPED,
         M,
         N,
         K,
         G,
-        recipe=recipe,
-        config=config,
-        num_programs_cap=programs,
-        interpret=target == "interpret",
+        _dtype_name(dtype),
         max_stride=max_stride,
         has_bias=has_bias,
+        recipe=recipe,
         fast_accum=fast_accum,
     )
+    return plan.plan(problem, _target(device), CAPABILITIES)
 
 
 @functools.lru_cache(maxsize=4096)
 def _m_ws_launch(
     M, N, K, G, recipe, dtype, device, max_stride, has_bias, fast_accum, x_strides, w_strides
-) -> ws.MGroupedFp8WsLaunch | None:
-    """The warp-specialized launch, or None where the Triton kernel runs: fast accumulation, a layout
-    16-byte cp.async cannot read (K-contiguous operands with 16-byte aligned row strides; fp8 storage
-    pads rows to 16, a foreign view may not), a problem or device the kernel does not take, or a shape
-    the config table keeps on the Triton kernel. Static facts only, so it is decided once per shape."""
-    promoted = recipe == "blockwise" or not fast_accum
-    if not (
-        promoted
-        and x_strides[1] == 1
+) -> plan.Plan | None:
+    """The warp-specialized plan, or None where the plan keeps the Triton kernel. The layout fact it needs:
+    K-contiguous operands with 16-byte aligned row strides (16-byte cp.async; fp8 storage pads rows to 16, a
+    foreign view may not). Static facts only, so it is decided once per shape."""
+    ws_layout = (
+        x_strides[1] == 1
         and w_strides[2] == 1
         and x_strides[0] % 16 == 0
         and w_strides[0] % 16 == 0
         and w_strides[1] % 16 == 0
-        and ws.supported_problem(K, False, max(abs(x_strides[0]), abs(w_strides[1])))
-        and _ws_device(device)
-    ):
+    )
+    if not ws_layout:
         return None
-    _, device_name, programs = _target(device)
-    dtype_key = fp8_key_dtype(recipe, dtype, fast_accum)
-    config = configs.pick_fp8_ws_config(
-        "m_grouped_fp8_ws", recipe=recipe, device_name=device_name, dtype=dtype_key, G=G, N=N, K=K, M=M
-    )
-    if config is None:
-        return None
-    return ws.MGroupedFp8WsLaunch.make(
-        M, N, K, G, recipe=recipe, config=config, num_programs_cap=programs, has_bias=has_bias
-    )
-
-
-@functools.lru_cache(maxsize=4096)
-def _k_launch(M, N, K, G, recipe, dtype, device, max_stride, accumulate, fast_accum) -> KGroupedFp8Launch:
-    target, device_name, programs = _target(device)
-    config = configs.pick_config(
-        fp8_op("k_grouped_fp8", recipe, fast_accum),
-        target,
-        device_name=device_name,
-        dtype=fp8_key_dtype(recipe, dtype, fast_accum),
-        G=G,
-        N=N,
-        K=K,
-        M=M,
-    )
-    return KGroupedFp8Launch.make(
+    problem = plan.Problem(
+        plan.M_GROUPED,
         M,
         N,
         K,
         G,
-        recipe=recipe,
-        config=config,
-        num_programs_cap=programs,
-        interpret=target == "interpret",
+        _dtype_name(dtype),
         max_stride=max_stride,
-        accumulate=accumulate,
+        has_bias=has_bias,
+        ws_layout=True,
+        row_strides=(x_strides[0], w_strides[1]),
+        recipe=recipe,
         fast_accum=fast_accum,
     )
+    chosen = plan.plan(problem, _target(device), CAPABILITIES)
+    return chosen if chosen.kernel == "m_grouped_fp8_ws" else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _k_launch(M, N, K, G, recipe, dtype, device, max_stride, accumulate, fast_accum) -> plan.Plan:
+    """The Triton FP8 wgrad's plan."""
+    problem = plan.Problem(
+        plan.K_GROUPED,
+        M,
+        N,
+        K,
+        G,
+        _dtype_name(dtype),
+        max_stride=max_stride,
+        accumulate=accumulate,
+        recipe=recipe,
+        fast_accum=fast_accum,
+    )
+    return plan.plan(problem, _target(device), CAPABILITIES)
 
 
 @functools.lru_cache(maxsize=4096)
 def _k_ws_launch(
     M, N, K, G, recipe, dtype, device, max_stride, accumulate, fast_accum, a_strides, b_strides, out_strides,
     out_dtype,
-) -> k_ws.KGroupedFp8WsLaunch | None:  # fmt: skip
-    """The warp-specialized wgrad launch, or None where the Triton kernel runs: fast accumulation, a
-    layout 16-byte cp.async cannot read (token-contiguous transposed copies with 16-byte aligned rows;
-    ``moegemm._src.fp8`` storage has them, a foreign view may not), a problem or device the kernel does
-    not take, or a shape the config rule keeps on the Triton kernel. Static facts only, so it is
-    decided once per shape."""
-    promoted = recipe == "blockwise" or not fast_accum
-    out_span = (K - 1) * abs(out_strides[1]) + (N - 1) * abs(out_strides[2]) + 1
-    if not (
-        promoted
-        and a_strides[1] == 1
-        and b_strides[1] == 1
-        and k_ws.supported_problem(False, max(abs(a_strides[0]), abs(b_strides[0])), out_span)
-        and _ws_device(device)
-    ):
+) -> plan.Plan | None:  # fmt: skip
+    """The warp-specialized wgrad's plan, or None where the plan keeps the Triton kernel. The layout fact it
+    needs: token-contiguous transposed copies (``moegemm._src.fp8`` storage has them, a foreign view may not).
+    Static facts only, so it is decided once per shape."""
+    if not (a_strides[1] == 1 and b_strides[1] == 1):
         return None
-    _, device_name, programs = _target(device)
-    config = configs.pick_fp8_ws_config(
-        "k_grouped_fp8_ws",
-        recipe=recipe,
-        device_name=device_name,
-        dtype=fp8_key_dtype(recipe, dtype, fast_accum),
-        G=G,
-        N=N,
-        K=K,
-        M=M,
+    problem = plan.Problem(
+        plan.K_GROUPED,
+        M,
+        N,
+        K,
+        G,
+        _dtype_name(dtype),
         out_itemsize=out_dtype.itemsize,
+        max_stride=max_stride,
         accumulate=accumulate,
+        ws_layout=True,
+        row_strides=(a_strides[0], b_strides[0]),
+        out_span=(K - 1) * abs(out_strides[1]) + (N - 1) * abs(out_strides[2]) + 1,
+        recipe=recipe,
+        fast_accum=fast_accum,
     )
-    if config is None:
-        return None
-    return k_ws.KGroupedFp8WsLaunch.make(
-        M, N, K, G, recipe=recipe, config=config, num_programs_cap=programs, accumulate=accumulate
-    )
+    chosen = plan.plan(problem, _target(device), CAPABILITIES)
+    return chosen if chosen.kernel == "k_grouped_fp8_ws" else None
 
 
 @functools.lru_cache(maxsize=64)
 def _quantize_config(device: torch.device) -> tuple[configs.QuantizeConfig, int]:
-    target, _, sms = _target(device)
-    return configs.pick_config("quantize_fp8", target), sms
+    target = _target(device)
+    return plan.quantize_config(target), target.programs
 
 
 def launch_m_grouped_fp8(x, sx, w, sw, group_sizes, out, bias, recipe: str, fast_accum: bool) -> None:
@@ -207,7 +184,7 @@ def launch_m_grouped_fp8(x, sx, w, sw, group_sizes, out, bias, recipe: str, fast
     # 16-byte cp.async also needs 16-byte aligned base pointers (the one dynamic fact).
     ws_launch = (
         _m_ws_launch(*spec, x.stride(), w.stride())
-        if FP8_WS and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+        if x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
         else None
     )
     if ws_launch is not None:
@@ -240,7 +217,7 @@ def launch_k_grouped_fp8(
     # 16-byte cp.async also needs 16-byte aligned base pointers (the one dynamic fact).
     ws_launch = (
         _k_ws_launch(*spec, a_t.stride(), b_t.stride(), out.stride(), out.dtype)
-        if FP8_WS and a_t.data_ptr() % 16 == 0 and b_t.data_ptr() % 16 == 0
+        if a_t.data_ptr() % 16 == 0 and b_t.data_ptr() % 16 == 0
         else None
     )
     if ws_launch is not None:

@@ -1,15 +1,35 @@
-"""The PyTorch glue of the grouped GEMMs: one forward and one backward definition per op.
+"""The PyTorch glue of the ops: one forward and one backward definition per op, FP8 an option of each.
 
 Ops (torch.library, with fake impls; inputs are validated by ``moegemm.torch.api``)::
 
-    moegemm::m_grouped_mm      (x, w, group_sizes, bias?, backend) -> out                 grads: x, w, bias
+    moegemm::m_grouped_mm      (x, w, group_sizes, bias?, backend, x_scale?, w_scale?, recipe, out_dtype?,
+                                fast_accum) -> out                                        grads: x, w, bias
     moegemm::m_grouped_mm_out  (x, w, group_sizes, bias?, out, backend) -> ()            writes out
-    moegemm::k_grouped_mm      (a, b, group_sizes, out_dtype, colsum_dtype?, backend) -> (out, colsum)  grads: a, b
-    moegemm::k_grouped_mm_out  (a, b, group_sizes, out, accumulate, colsum_dtype?, backend) -> colsum   writes out
+    moegemm::k_grouped_mm      (a, b, group_sizes, out_dtype, colsum_dtype?, backend, a_scale?, b_scale?, M,
+                                recipe, fast_accum) -> (out, colsum)                      grads: a, b
+    moegemm::k_grouped_mm_out  (a, b, group_sizes, out, accumulate, colsum_dtype?, backend, a_scale?,
+                                b_scale?, M, recipe, fast_accum) -> colsum                writes out
+    moegemm::quantize_fp8      (x, group_sizes?, recipe, dtype, transpose, G, backend, data=True)
+                                -> (data, scale, data_t, scale_t)                         storage, see below
 
 m-grouped: ``out[rows(g)] = x[rows(g)] @ w[g] (+ bias[g])``, w [G, K, N]. k-grouped: ``out[g] (+)= a_g^T b_g``
 and, when colsum_dtype is given, ``colsum[g] = sum(a_g, 0)`` [G, K] from the same launch (with a = dy,
 the bias gradient); without it colsum is an empty tensor. colsum is never differentiable.
+
+FP8: given scales, the same ops run the scaled kernels on quantized data (``moegemm._src.fp8`` layouts).
+m-grouped reads x [M, K] and the weight's data as stored, w [G, N, K] (out = x @ w[g]^T, in
+``out_dtype``); ``fast_accum`` skips the fp32 promotion every 128 of K. k-grouped reads the transposed
+copies a [Ka, M_t] and b [Nb, M_t] of M-row activations (out [G, Ka, Nb]); it has no colsum. Quantized
+data has no gradient: of an FP8 call only the bias is differentiable (its gradient, the column sums of
+dy, is the high-precision one).
+
+quantize_fp8 quantizes activations x [M, K] (G groups) or, when x is 3-D, a weight [G, N, K]. It
+returns storage, which ``moegemm._src.torch.fp8_tensor.from_storage`` turns into views (ops may not
+return aliases): data with rows padded to 16 bytes, a blockwise activation scale as [cdiv(K, 128), M]
+(M-major), and an empty scale_t where scale_t is scale itself (tensorwise) or its transpose (a
+blockwise weight). ``data=False`` (rowwise and blockwise activations, with ``transpose``) writes only the
+transposed copy and its scales, data and scale coming back empty: GroupedLinear quantizes x's data for
+the forward GEMM, frees it, then makes the copy the backward keeps, so both never coexist with the output.
 
 How a call runs. Tracing (torch.compile, export, fake tensors) records the custom ops. Plain eager
 calls skip the dispatcher, whose Python cost (~55 us per call, ~125 us with autograd, on the CI CPU)
@@ -22,7 +42,10 @@ from __future__ import annotations
 
 import torch
 
+from moegemm._src import fp8
+from moegemm._src.torch import reference as _ref
 from moegemm._src.torch.launch import launch_k_grouped, launch_m_grouped
+from moegemm._src.torch.launch_fp8 import launch_k_grouped_fp8, launch_m_grouped_fp8, launch_quantize_fp8
 from moegemm.torch import reference
 
 # Every output buffer comes from here, so tests can poison it with NaN (tests/conftest.py).
@@ -83,7 +106,7 @@ def _k_grouped_forward(a, b, group_sizes, out, accumulate, colsum_dtype, backend
             reference.k_grouped_mm_reference(a, b, group_sizes, out=out, accumulate=accumulate)
         if colsum_dtype is None:
             return out, None
-        return out, reference.grouped_column_sums(a, group_sizes, out_dtype=colsum_dtype)
+        return out, _ref.grouped_column_sums(a, group_sizes, out_dtype=colsum_dtype)
     if out is None:
         out = empty(G, K, b.shape[1], dtype=out_dtype, device=a.device)
     colsum = None if colsum_dtype is None else empty(G, K, dtype=colsum_dtype, device=a.device)
@@ -91,19 +114,136 @@ def _k_grouped_forward(a, b, group_sizes, out, accumulate, colsum_dtype, backend
     return out, colsum
 
 
+def _m_grouped_fp8_forward(x, sx, w, sw, group_sizes, bias, recipe, out_dtype, fast_accum, backend):
+    """out [M, N] in out_dtype = for g: (x * sx)[rows(g)] @ ((w * sw)[g])^T (+ bias[g]), w [G, N, K]."""
+    if backend == "reference":
+        # Tensorwise x with one scale per group was quantized with these groups.
+        xd = _ref.dequantize_activation(x, sx, recipe, group_sizes if sx.numel() > 1 else None)
+        wd = _ref.dequantize_weight(w, sw, recipe)
+        return reference.m_grouped_mm_reference(
+            xd, wd.mT, group_sizes, bias, out_dtype=out_dtype, compute_dtype=torch.float32
+        )
+    out = empty(x.shape[0], w.shape[1], dtype=out_dtype, device=x.device)
+    launch_m_grouped_fp8(x, sx, w, sw, group_sizes, out, bias, recipe, fast_accum)
+    return out
+
+
+def _k_grouped_fp8_forward(
+    a_t, sa, b_t, sb, group_sizes, M, recipe, fast_accum, backend, out, accumulate, out_dtype
+):
+    """out [G, Ka, Nb] (+)= (a * sa)_g^T (b * sb)_g from the transposed copies a_t [Ka, M_t], b_t [Nb, M_t]."""
+    if backend == "reference":
+        ad = _ref.dequantize_activation_t(a_t, sa, recipe, group_sizes, M)
+        bd = _ref.dequantize_activation_t(b_t, sb, recipe, group_sizes, M)
+        return reference.k_grouped_mm_reference(
+            ad,
+            bd,
+            group_sizes,
+            out=out,
+            accumulate=accumulate,
+            out_dtype=out_dtype,
+            compute_dtype=torch.float32,
+        )
+    if out is None:
+        out = empty(group_sizes.shape[0], a_t.shape[0], b_t.shape[0], dtype=out_dtype, device=a_t.device)
+    launch_k_grouped_fp8(M, a_t, sa, b_t, sb, group_sizes, out, accumulate, recipe, fast_accum)
+    return out
+
+
+def storage_shapes(shape, recipe: str, G: int, transpose: bool, data: bool = True) -> list[tuple[int, ...]]:
+    """Shapes of the four storage tensors quantize_fp8 returns (0-sized for absent ones)."""
+    if not data:
+        if len(shape) != 2 or not transpose or recipe == "tensorwise":
+            raise ValueError("data=False quantizes a rowwise or blockwise activation's transposed copy only")
+        return [(0,), (0,), *storage_shapes(shape, recipe, G, transpose)[2:]]
+    if len(shape) == 3:
+        _, N, K = shape
+        s_shape, _ = fp8.weight_scale_shapes(recipe, G, N, K)
+        data = (G, N, fp8.padded(K))
+        data_t = (G, K, fp8.padded(N)) if transpose else (0,)
+        scale_t = fp8.weight_scale_shapes(recipe, G, N, K)[1] if transpose and recipe == "rowwise" else (0,)
+        return [data, s_shape, data_t, scale_t]
+    M, K = shape
+    s_shape, st_shape = fp8.activation_scale_shapes(recipe, M, K, G)
+    if recipe == "blockwise":
+        s_shape = (s_shape[1], M)  # M-major: the GEMM loads a tile's row scales as one vector
+    data_t = (K, fp8.transposed_columns(M, G)) if transpose else (0,)
+    scale_t = st_shape if transpose and recipe != "tensorwise" else (0,)
+    return [(M, fp8.padded(K)), s_shape, data_t, scale_t]
+
+
+def _quantize_forward(x, group_sizes, recipe, dtype, transpose, G, backend, data=True):
+    shapes = storage_shapes(tuple(x.shape), recipe, G, transpose, data)
+    weight = x.dim() == 3
+    if backend == "reference":
+        if weight:
+            data, scale, data_t, scale_t = _ref.quantize_weight(x, recipe, dtype, transpose)
+        else:
+            data, scale, data_t, scale_t = _ref.quantize_activation(x, group_sizes, recipe, dtype, transpose)
+        out = [empty(s, dtype=t, device=x.device) for s, t in zip(shapes, (dtype, torch.float32) * 2)]
+        if out[0].numel():
+            out[0][..., : data.shape[-1]].copy_(data)
+            out[1].copy_(scale.T if recipe == "blockwise" and not weight else scale)
+        if transpose:
+            out[2][..., : data_t.shape[-1]].copy_(data_t)
+            if out[3].numel():
+                out[3].copy_(scale_t)
+        return tuple(out)
+    data_s = empty(shapes[0], dtype=dtype, device=x.device)
+    scale_s = empty(shapes[1], dtype=torch.float32, device=x.device)
+    data_t_s = empty(shapes[2], dtype=dtype, device=x.device)
+    scale_t_s = empty(shapes[3], dtype=torch.float32, device=x.device)
+    K = x.shape[-1]
+    if weight:
+        _, N, _ = x.shape
+        rows = x.reshape(G * N, K)
+        q = data_s.view(G * N, -1)[:, :K]
+        s = scale_s.view(G * N) if recipe == "rowwise" else scale_s
+        qt = data_t_s if transpose else None  # the whole padded storage (int16 words; see launcher)
+        st = scale_t_s if recipe == "rowwise" else scale_s
+        launch_quantize_fp8(rows, None, recipe, q, s, qt, st if transpose else None, rows_per_group=N, G=G)
+    else:
+        M = x.shape[0]
+        q = data_s[:, :K] if data else None
+        s = (scale_s.T if recipe == "blockwise" else scale_s) if data else None
+        qt = data_t_s if transpose else None
+        st = scale_s if recipe == "tensorwise" else scale_t_s
+        launch_quantize_fp8(
+            x, group_sizes, recipe, q, s, qt, st if transpose else None, rows_per_group=M, G=G
+        )
+    return data_s, scale_s, data_t_s, scale_t_s
+
+
 # ---------------------------------------------------------------- custom ops (what tracing records)
 
 
 @torch.library.custom_op("moegemm::m_grouped_mm", mutates_args=())
 def m_grouped_mm_op(
-    x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, bias: torch.Tensor | None, backend: str
+    x: torch.Tensor,
+    w: torch.Tensor,
+    group_sizes: torch.Tensor,
+    bias: torch.Tensor | None,
+    backend: str,
+    x_scale: torch.Tensor | None = None,
+    w_scale: torch.Tensor | None = None,
+    recipe: str = "",
+    out_dtype: torch.dtype | None = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
-    return _m_grouped_forward(x, w, group_sizes, bias, backend)
+    if x_scale is None:
+        return _m_grouped_forward(x, w, group_sizes, bias, backend)
+    return _m_grouped_fp8_forward(
+        x, x_scale, w, w_scale, group_sizes, bias, recipe, out_dtype, fast_accum, backend
+    )
 
 
 @m_grouped_mm_op.register_fake
-def _(x, w, group_sizes, bias, backend):
-    return x.new_empty(x.shape[0], w.shape[2])
+def _(
+    x, w, group_sizes, bias, backend, x_scale=None, w_scale=None, recipe="", out_dtype=None, fast_accum=False
+):
+    if x_scale is None:
+        return x.new_empty(x.shape[0], w.shape[2])
+    return x.new_empty(x.shape[0], w.shape[1], dtype=out_dtype)
 
 
 @torch.library.custom_op("moegemm::m_grouped_mm_out", mutates_args=("out",))
@@ -131,7 +271,17 @@ def k_grouped_mm_op(
     out_dtype: torch.dtype,
     colsum_dtype: torch.dtype | None,
     backend: str,
+    a_scale: torch.Tensor | None = None,
+    b_scale: torch.Tensor | None = None,
+    M: int = 0,
+    recipe: str = "",
+    fast_accum: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if a_scale is not None:
+        out = _k_grouped_fp8_forward(
+            a, a_scale, b, b_scale, group_sizes, M, recipe, fast_accum, backend, None, False, out_dtype
+        )
+        return out, _no_colsum(a)
     out, colsum = _k_grouped_forward(a, b, group_sizes, None, False, colsum_dtype, backend, out_dtype)
     return out, _colsum_output(a, colsum)
 
@@ -145,7 +295,21 @@ def _fake_colsum(a, group_sizes, colsum_dtype):
 
 
 @k_grouped_mm_op.register_fake
-def _(a, b, group_sizes, out_dtype, colsum_dtype, backend):
+def _(
+    a,
+    b,
+    group_sizes,
+    out_dtype,
+    colsum_dtype,
+    backend,
+    a_scale=None,
+    b_scale=None,
+    M=0,
+    recipe="",
+    fast_accum=False,
+):
+    if a_scale is not None:  # the transposed copies: a [Ka, M_t], b [Nb, M_t]
+        return a.new_empty(group_sizes.shape[0], a.shape[0], b.shape[0], dtype=out_dtype), _no_colsum(a)
     out = a.new_empty(group_sizes.shape[0], a.shape[1], b.shape[1], dtype=out_dtype)
     return out, _fake_colsum(a, group_sizes, colsum_dtype)
 
@@ -159,29 +323,77 @@ def k_grouped_mm_out_op(
     accumulate: bool,
     colsum_dtype: torch.dtype | None,
     backend: str,
+    a_scale: torch.Tensor | None = None,
+    b_scale: torch.Tensor | None = None,
+    M: int = 0,
+    recipe: str = "",
+    fast_accum: bool = False,
 ) -> torch.Tensor:
+    if a_scale is not None:
+        _k_grouped_fp8_forward(
+            a, a_scale, b, b_scale, group_sizes, M, recipe, fast_accum, backend, out, accumulate, None
+        )
+        return _no_colsum(a)
     return _colsum_output(a, _k_grouped_forward(a, b, group_sizes, out, accumulate, colsum_dtype, backend)[1])
 
 
 @k_grouped_mm_out_op.register_fake
-def _(a, b, group_sizes, out, accumulate, colsum_dtype, backend):
-    return _fake_colsum(a, group_sizes, colsum_dtype)
+def _(
+    a,
+    b,
+    group_sizes,
+    out,
+    accumulate,
+    colsum_dtype,
+    backend,
+    a_scale=None,
+    b_scale=None,
+    M=0,
+    recipe="",
+    fast_accum=False,
+):
+    return _no_colsum(a) if a_scale is not None else _fake_colsum(a, group_sizes, colsum_dtype)
+
+
+@torch.library.custom_op("moegemm::quantize_fp8", mutates_args=())
+def quantize_fp8_op(
+    x: torch.Tensor,
+    group_sizes: torch.Tensor | None,
+    recipe: str,
+    dtype: torch.dtype,
+    transpose: bool,
+    G: int,
+    backend: str,
+    data: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _quantize_forward(x, group_sizes, recipe, dtype, transpose, G, backend, data)
+
+
+@quantize_fp8_op.register_fake
+def _(x, group_sizes, recipe, dtype, transpose, G, backend, data=True):
+    shapes = storage_shapes(tuple(x.shape), recipe, G, transpose, data)
+    return tuple(x.new_empty(s, dtype=t) for s, t in zip(shapes, (dtype, torch.float32) * 2))
 
 
 # ---------------------------------------------------------------- backward definitions
 
 
 def _m_grouped_setup(ctx, inputs, output):
-    x, w, group_sizes, bias, backend = inputs
+    x, w, group_sizes, bias, backend = inputs[:5]
     ctx.save_for_backward(x, w, group_sizes)
     ctx.backend = backend
     ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.quantized = len(inputs) > 5 and inputs[5] is not None
 
 
 def _m_grouped_backward(ctx, grad_out):
-    """dx = dy @ w[g]^T, and dw, dbias from weight_grads."""
+    """dx = dy @ w[g]^T, and dw, dbias from weight_grads (of an FP8 call, dbias alone)."""
     x, w, group_sizes = ctx.saved_tensors
     need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
+    options = (None,) * (len(ctx.needs_input_grad) - 4)  # backend, and the FP8 options when given
+    if ctx.quantized:
+        grad_b = grouped_column_sums(grad_out, group_sizes, ctx.bias_dtype, ctx.backend) if need_b else None
+        return None, None, None, grad_b, *options
     grad_x = m_grouped(grad_out, w, group_sizes, None, ctx.backend, transpose_w=True) if need_x else None
     # An nn.Linear weight [G, N, K] passed as w.mT: its gradient is produced in that storage layout (no
     # transposed copy reaches the weight), and the bias gradient comes from the same launch.
@@ -198,18 +410,18 @@ def _m_grouped_backward(ctx, grad_out):
     )
     if grad_w is not None and linear_layout:
         grad_w = grad_w.mT
-    return grad_x, grad_w, None, grad_b, None
+    return grad_x, grad_w, None, grad_b, *options
 
 
 def _k_grouped_setup(ctx, inputs, output):
     a, b, group_sizes = inputs[:3]
     ctx.save_for_backward(a, b, group_sizes)
-    ctx.backend = inputs[-1]
+    ctx.backend = inputs[5]
     ctx.mark_non_differentiable(output[1])
 
 
 def _k_grouped_backward(ctx, grad_out, _grad_colsum):
-    """out[g] = a_g^T b_g  =>  da_g = b_g dout[g]^T,  db_g = a_g dout[g]."""
+    """out[g] = a_g^T b_g  =>  da_g = b_g dout[g]^T,  db_g = a_g dout[g] (quantized a and b have none)."""
     a, b, group_sizes = ctx.saved_tensors
     need_a, need_b = ctx.needs_input_grad[:2]
     grad_a = (
@@ -218,7 +430,7 @@ def _k_grouped_backward(ctx, grad_out, _grad_colsum):
         else None
     )
     grad_b = m_grouped(a, grad_out.to(a.dtype), group_sizes, None, ctx.backend) if need_b else None
-    return grad_a, grad_b, None, None, None, None
+    return grad_a, grad_b, *(None,) * (len(ctx.needs_input_grad) - 2)
 
 
 m_grouped_mm_op.register_autograd(_m_grouped_backward, setup_context=_m_grouped_setup)
@@ -229,8 +441,23 @@ class _MGroupedFunction(torch.autograd.Function):
     """Eager twin of moegemm::m_grouped_mm's autograd: the same setup_context and backward."""
 
     @staticmethod
-    def forward(x, w, group_sizes, bias, backend):
-        return _m_grouped_forward(x, w, group_sizes, bias, backend)
+    def forward(
+        x,
+        w,
+        group_sizes,
+        bias,
+        backend,
+        x_scale=None,
+        w_scale=None,
+        recipe="",
+        out_dtype=None,
+        fast_accum=False,
+    ):
+        if x_scale is None:
+            return _m_grouped_forward(x, w, group_sizes, bias, backend)
+        return _m_grouped_fp8_forward(
+            x, x_scale, w, w_scale, group_sizes, bias, recipe, out_dtype, fast_accum, backend
+        )
 
     setup_context = staticmethod(_m_grouped_setup)
     backward = staticmethod(_m_grouped_backward)
@@ -291,6 +518,46 @@ def k_grouped_out(
     else:
         colsum = _k_grouped_forward(a, b, group_sizes, out, accumulate, colsum_dtype, backend)[1]
     return None if colsum_dtype is None else colsum
+
+
+def m_grouped_fp8(x, sx, w, sw, group_sizes, bias, recipe, out_dtype, fast_accum, backend) -> torch.Tensor:
+    """out [M, N] = for g: (x * sx)[rows(g)] @ ((w * sw)[g])^T (+ bias[g]), w the weight's [G, N, K] data
+    (differentiable in bias only)."""
+    if not _eager(x, sx, w, sw, group_sizes, bias):
+        return m_grouped_mm_op(x, w, group_sizes, bias, backend, sx, sw, recipe, out_dtype, fast_accum)
+    if bias is not None and _needs_grad(bias):
+        return _MGroupedFunction.apply(
+            x, w, group_sizes, bias, backend, sx, sw, recipe, out_dtype, fast_accum
+        )
+    return _m_grouped_fp8_forward(x, sx, w, sw, group_sizes, bias, recipe, out_dtype, fast_accum, backend)
+
+
+def k_grouped_fp8(a_t, sa, b_t, sb, group_sizes, M, recipe, fast_accum, backend, out_dtype) -> torch.Tensor:
+    """out [G, Ka, Nb] = for g: (a * sa)_g^T (b * sb)_g from the transposed copies (not differentiable)."""
+    if _eager(a_t, sa, b_t, sb, group_sizes):
+        return _k_grouped_fp8_forward(
+            a_t, sa, b_t, sb, group_sizes, M, recipe, fast_accum, backend, None, False, out_dtype
+        )
+    return k_grouped_mm_op(a_t, b_t, group_sizes, out_dtype, None, backend, sa, sb, M, recipe, fast_accum)[0]
+
+
+def k_grouped_fp8_out(a_t, sa, b_t, sb, group_sizes, M, out, accumulate, recipe, fast_accum, backend) -> None:
+    """k_grouped_fp8 into ``out`` (+= with ``accumulate``; an empty group's out[g] untouched)."""
+    if _eager(a_t, sa, b_t, sb, group_sizes, out):
+        _k_grouped_fp8_forward(
+            a_t, sa, b_t, sb, group_sizes, M, recipe, fast_accum, backend, out, accumulate, None
+        )
+    else:
+        k_grouped_mm_out_op(
+            a_t, b_t, group_sizes, out, accumulate, None, backend, sa, sb, M, recipe, fast_accum
+        )
+
+
+def quantize(x, group_sizes, recipe: str, dtype, transpose: bool, G: int, backend: str, data: bool = True):
+    """The four storage tensors (see the module docstring)."""
+    if _eager(x, group_sizes):
+        return _quantize_forward(x, group_sizes, recipe, dtype, transpose, G, backend, data)
+    return quantize_fp8_op(x, group_sizes, recipe, dtype, transpose, G, backend, data)
 
 
 def grouped_column_sums(t, group_sizes, out_dtype, backend: str) -> torch.Tensor:

@@ -15,23 +15,29 @@ rhs K and N both sharded              error naming the axes
 ====================================  =========================================================
 
 Unservable shardings raise ShardingRuleError naming the mesh axes (under jit, at compile time,
-re-raised by XLA as JaxRuntimeError); no rule silently replicates an operand. One job per module:
+re-raised by XLA as JaxRuntimeError); no rule silently replicates an operand.
 
-- ``plans``: the rules, as pure functions of the PartitionSpecs (``plan_m_grouped``, ``plan_k_grouped``);
-- ``per_shard``: runs a plan on one shard's blocks (all-gathers, one local call, psum / psum_scatter);
-- ``local_ops``: that local call (:class:`LocalOps`): moegemm's kernels by default, the jnp reference
-  (``REFERENCE_OPS``) on request;
-- ``partition``: ``custom_partitioning`` wiring and the jit backward (:func:`ragged_dot`);
-- ``shard_map``: the same plans inside shard_map, with the transposed backward (:func:`shard_map_ragged_dot`).
+FP8 goes through the same plans: ``ragged_dot(lhs, rhs, group_sizes, fp8_recipe=...)`` quantizes on
+each shard, reducing the tensorwise amax (``pmax``) over the axes that shard an operand; rowwise and
+blockwise scales must not straddle shards (ShardingRuleError). ``quantize_fp8`` is the grouped
+quantize of sharded activations.
+
+One job per private module:
+
+- ``_plans``: the rules, as pure functions of the PartitionSpecs (``plan_m_grouped``, ``plan_k_grouped``);
+- ``_per_shard``: runs a plan on one shard's blocks (all-gathers, one local call, psum / psum_scatter);
+- ``_local_ops``: that local call (:class:`LocalOps`): moegemm's kernels by default (FP8 with a recipe),
+  the jnp reference (``REFERENCE_OPS``) on request;
+- ``_partition``: ``custom_partitioning`` wiring and the jit backward (:func:`ragged_dot`), and the
+  sharded :func:`quantize_fp8`;
+- ``_shard_map``: the same plans inside shard_map, with the transposed backward (:func:`shard_map_ragged_dot`).
 
 Dense GEMMs: ``moegemm.jax.collective_gemm``. The HLO collectives checker: ``moegemm.testing.hlo``.
 """
 
-from moegemm.jax.sharding.fp8 import Fp8LocalOps, fp8_local_ops, quantize_fp8, ragged_dot_fp8
-from moegemm.jax.sharding.local_ops import REFERENCE_OPS, LocalOps, moegemm_local_ops
-from moegemm.jax.sharding.partition import ragged_dot
-from moegemm.jax.sharding.per_shard import shard_group_sizes
-from moegemm.jax.sharding.plans import (
+from moegemm.jax.sharding._local_ops import REFERENCE_OPS, LocalOps, moegemm_local_ops
+from moegemm.jax.sharding._partition import quantize_fp8, ragged_dot
+from moegemm.jax.sharding._plans import (
     KGroupedPlan,
     MGroupedPlan,
     ShardingRuleError,
@@ -39,17 +45,9 @@ from moegemm.jax.sharding.plans import (
     plan_k_grouped,
     plan_m_grouped,
 )
-from moegemm.jax.sharding.shard_map import shard_map_ragged_dot
-
-# Names from before the m_grouped/k_grouped vocabulary, kept for existing imports.
-plan_gmm = plan_m_grouped
-plan_tgmm = plan_k_grouped
+from moegemm.jax.sharding._shard_map import shard_map_ragged_dot
 
 __all__ = [
-    "Fp8LocalOps",
-    "fp8_local_ops",
-    "quantize_fp8",
-    "ragged_dot_fp8",
     "KGroupedPlan",
     "LocalOps",
     "MGroupedPlan",
@@ -59,7 +57,7 @@ __all__ = [
     "out_spec",
     "plan_k_grouped",
     "plan_m_grouped",
+    "quantize_fp8",
     "ragged_dot",
-    "shard_group_sizes",
     "shard_map_ragged_dot",
 ]

@@ -1,6 +1,6 @@
 """Plan algebra: pure functions from the operands' PartitionSpecs to per-shard plans.
 
-A plan says which collectives run around one local call; :mod:`.per_shard` runs it. No devices and
+A plan says which collectives run around one local call; :mod:`._per_shard` runs it. No devices and
 no tracing here, so the rules are tested on specs alone. Axis tuples are major to minor.
 """
 

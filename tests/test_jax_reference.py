@@ -1,7 +1,7 @@
-"""The jax.numpy FP8 twin (``moegemm.jax.reference_fp8``) on CPU.
+"""The jax.numpy twins' FP8 part (``moegemm.jax.reference``'s private quantize, dequantize and GEMM twins) on CPU.
 
 Oracles:
-- quantize: bit for bit the torch twin (``moegemm.torch.reference_fp8``), data bytes and scales, eager
+- quantize: bit for bit the torch twin (``moegemm._src.torch.reference``), data bytes and scales, eager
   and under ``jax.jit`` with group_sizes traced; the JAX layouts differ from torch's in one place,
   the activations' blockwise scale ([kb, M] here, [M, kb] there);
 - dequantize: an independent fp64 numpy dequantization written from the layout description
@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from moegemm._src import fp8
-from moegemm.jax import reference_fp8 as J
+from moegemm._src.torch import reference as T
+from moegemm.jax import reference as J
 from moegemm.testing import oracle
-from moegemm.torch import reference_fp8 as T
 
 RECIPES = list(fp8.RECIPES)
 FP8 = {"e4m3": (jnp.float8_e4m3fn, torch.float8_e4m3fn), "e5m2": (jnp.float8_e5m2, torch.float8_e5m2)}
@@ -95,8 +95,8 @@ def gs_arrays(sizes):
 
 
 # jit with group_sizes traced (None passes through as an empty pytree); the rest static.
-jit_quantize_activation = jax.jit(J.quantize_activation, static_argnames=("recipe", "dtype", "transpose"))
-jit_quantize_weight = jax.jit(J.quantize_weight, static_argnames=("recipe", "dtype", "transpose"))
+jit_quantize_activation = jax.jit(J._quantize_activation, static_argnames=("recipe", "dtype", "transpose"))
+jit_quantize_weight = jax.jit(J._quantize_weight, static_argnames=("recipe", "dtype", "transpose"))
 
 
 # ---------------------------------------------------------------- numpy dequantization (fp64, loops)
@@ -178,7 +178,7 @@ def test_quantize_activation_matches_torch(xdtype, M, K, sizes, recipe, fmt):
     s_shape, st_shape = fp8.activation_scale_shapes(recipe, M, K, G)
     runs = [("jit", jit_quantize_activation(xj, gj, recipe=recipe, dtype=jd, transpose=True))]
     if xdtype == "float32":  # eager too (op by op: slow to compile), once per case
-        runs.append(("eager", J.quantize_activation(xj, gj, recipe, jd, True)))
+        runs.append(("eager", J._quantize_activation(xj, gj, recipe, jd, True)))
     for mode, q in runs:
         data, scale, data_t, scale_t = q
         assert data.dtype == jd and data.shape == (M, K), mode
@@ -231,7 +231,7 @@ def test_quantize_weight_matches_torch(G, N, K, recipe, fmt):
     expect = T.quantize_weight(wt, recipe, td, True)
     s_shape, st_shape = fp8.weight_scale_shapes(recipe, G, N, K)
     for mode, q in [
-        ("eager", J.quantize_weight(wj, recipe, jd, True)),
+        ("eager", J._quantize_weight(wj, recipe, jd, True)),
         ("jit", jit_quantize_weight(wj, recipe=recipe, dtype=jd, transpose=True)),
     ]:
         data, scale, data_t, scale_t = q
@@ -251,7 +251,7 @@ def test_division_is_exact_under_jit():
     amax = jnp.asarray(np.abs(outliers((1 << 14,), seed=3)) * np.float32(2.0**-20))
     for fmt, (jd, td) in FP8.items():
         want = T.scale_of(torch.from_numpy(np.array(amax)), td).numpy()
-        got = jax.jit(partial(J.scale_of, dtype=jd))(amax)
+        got = jax.jit(partial(J._scale_of, dtype=jd))(amax)
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=fmt)
 
 
@@ -271,8 +271,8 @@ def test_amax_reduce_sees_every_amax(recipe):
         seen.append(a.shape)
         return a * 4
 
-    act = partial(J.quantize_activation, recipe=recipe, dtype=jd, transpose=True)
-    weight = partial(J.quantize_weight, recipe=recipe, dtype=jd, transpose=True)
+    act = partial(J._quantize_activation, recipe=recipe, dtype=jd, transpose=True)
+    weight = partial(J._quantize_weight, recipe=recipe, dtype=jd, transpose=True)
     for plain, reduced in [
         (jax.jit(act)(x, sizes), jax.jit(partial(act, amax_reduce=times4))(x, sizes)),
         (jax.jit(weight)(w), jax.jit(partial(weight, amax_reduce=times4))(w)),
@@ -304,14 +304,14 @@ def test_amax_reduce_pmax_over_k_shards():
     pmax = lambda a: jax.lax.pmax(a, "k")
     full = jit_quantize_activation(x, sizes, recipe="tensorwise", dtype=jd, transpose=False)
     shards = x.reshape(150, 2, 96).transpose(1, 0, 2)
-    shard_fn = lambda xs, gs: J.quantize_activation(xs, gs, "tensorwise", jd, False, amax_reduce=pmax)
+    shard_fn = lambda xs, gs: J._quantize_activation(xs, gs, "tensorwise", jd, False, amax_reduce=pmax)
     data, scale, _, _ = jax.jit(jax.vmap(shard_fn, in_axes=(0, None), axis_name="k"))(shards, sizes)
     np.testing.assert_array_equal(np.asarray(scale[0]), np.asarray(full[1]))
     np.testing.assert_array_equal(np.asarray(scale[1]), np.asarray(full[1]))
     np.testing.assert_array_equal(u8(data.transpose(1, 0, 2).reshape(150, 192)), u8(full[0]))
     w = jnp.asarray(outliers((3, 64, 72), seed=14))
     wfull = jit_quantize_weight(w, recipe="tensorwise", dtype=jd, transpose=False)
-    wshard_fn = lambda ws: J.quantize_weight(ws, "tensorwise", jd, False, amax_reduce=pmax)
+    wshard_fn = lambda ws: J._quantize_weight(ws, "tensorwise", jd, False, amax_reduce=pmax)
     wdata, wscale, _, _ = jax.jit(jax.vmap(wshard_fn, in_axes=1, axis_name="k"))(w.reshape(3, 2, 32, 72))
     np.testing.assert_array_equal(np.asarray(wscale[1]), np.asarray(wfull[1]))
     np.testing.assert_array_equal(u8(wdata.transpose(1, 0, 2, 3).reshape(3, 64, 72)), u8(wfull[0]))
@@ -335,11 +335,11 @@ def test_dequantize_activation(M, K, sizes, recipe, fmt):
         owned[r.start : r.stop] = True
     x_owned = np.where(owned[:, None], x, 0)
     if sizes is None:
-        dq = jax.jit(lambda d, s: J.dequantize_activation(d, s, recipe, None))(data, scale)
-        dq_t = jax.jit(lambda d, s: J.dequantize_activation_t(d, s, recipe, None, M))(data_t, scale_t)
+        dq = jax.jit(lambda d, s: J._dequantize_activation(d, s, recipe, None))(data, scale)
+        dq_t = jax.jit(lambda d, s: J._dequantize_activation_t(d, s, recipe, None, M))(data_t, scale_t)
     else:
-        dq = jax.jit(partial(J.dequantize_activation, recipe=recipe))(data, scale, group_sizes=gj)
-        dq_t = jax.jit(partial(J.dequantize_activation_t, recipe=recipe, M=M))(
+        dq = jax.jit(partial(J._dequantize_activation, recipe=recipe))(data, scale, group_sizes=gj)
+        dq_t = jax.jit(partial(J._dequantize_activation_t, recipe=recipe, M=M))(
             data_t, scale_t, group_sizes=gj
         )
     assert dq.shape == dq_t.shape == (M, K) and dq.dtype == dq_t.dtype == jnp.float32
@@ -351,7 +351,7 @@ def test_dequantize_activation(M, K, sizes, recipe, fmt):
     if owned.any() and K:
         assert relerr(dq, x_owned) <= ROUND_TRIP_TOL[fmt]
         assert relerr(dq_t, x_owned) <= ROUND_TRIP_TOL[fmt]
-    bf = J.dequantize_activation(data, scale, recipe, gj, dtype=jnp.bfloat16)
+    bf = J._dequantize_activation(data, scale, recipe, gj, dtype=jnp.bfloat16)
     assert bf.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(bf), np.asarray(dq.astype(jnp.bfloat16)))
 
@@ -364,11 +364,11 @@ def test_dequantize_weight(recipe, fmt):
     data, scale, data_t, scale_t = jit_quantize_weight(
         jnp.asarray(w), recipe=recipe, dtype=jd, transpose=True
     )
-    dq = jax.jit(partial(J.dequantize_weight, recipe=recipe))(data, scale)
+    dq = jax.jit(partial(J._dequantize_weight, recipe=recipe))(data, scale)
     np.testing.assert_allclose(f64(dq), np_dequant_weight(data, scale, recipe), rtol=2e-7, atol=0)
     assert relerr(dq, w) <= ROUND_TRIP_TOL[fmt]
     # data_t [G, K, N] with scale_t: the weight transposed
-    dq_t = J.dequantize_weight(data_t, scale_t, recipe)
+    dq_t = J._dequantize_weight(data_t, scale_t, recipe)
     assert relerr(jnp.swapaxes(dq_t, 1, 2), w) <= ROUND_TRIP_TOL[fmt]
 
 
@@ -396,7 +396,7 @@ def test_m_grouped_matches_oracle(M, K, N, sizes, recipe, fmt):
     w, sw, _, _ = jit_quantize_weight(
         jnp.asarray(outliers((G, N, K), seed=2)), recipe=recipe, dtype=jd, transpose=False
     )
-    f = jax.jit(partial(J.m_grouped_mm_fp8_reference, recipe=recipe, out_dtype=jnp.float32))
+    f = jax.jit(partial(J._m_grouped_mm_fp8, recipe=recipe, out_dtype=jnp.float32))
     out = f(x, sx, w, sw, gj)
     assert out.shape == (M, N) and out.dtype == jnp.float32
     xd = np_dequant_activation(x, sx, recipe, sizes, M)
@@ -404,7 +404,7 @@ def test_m_grouped_matches_oracle(M, K, N, sizes, recipe, fmt):
     assert relerr(out, ref) <= GEMM_TOL
     end = max(r.stop for r in oracle.rows(sizes, M))
     assert not f64(out)[end:].any()
-    out_bf16 = J.m_grouped_mm_fp8_reference(x, sx, w, sw, gj, recipe, jnp.bfloat16)
+    out_bf16 = J._m_grouped_mm_fp8(x, sx, w, sw, gj, recipe, jnp.bfloat16)
     assert out_bf16.dtype == jnp.bfloat16 and relerr(out_bf16, ref) <= 8e-3
 
 
@@ -431,13 +431,11 @@ def test_m_grouped_group_offset(recipe, x_groups):
 
     @jax.jit
     def f(x, sx, w, sw, gs, offset):
-        return J.m_grouped_mm_fp8_reference(
+        return J._m_grouped_mm_fp8(
             x, sx, w, sw, gs, recipe, jnp.float32, x_group_sizes=xq_groups, group_offset=offset
         )
 
-    full = J.m_grouped_mm_fp8_reference(
-        x, sx, w_all, sw_all, gj, recipe, jnp.float32, x_group_sizes=xq_groups
-    )
+    full = J._m_grouped_mm_fp8(x, sx, w_all, sw_all, gj, recipe, jnp.float32, x_group_sizes=xq_groups)
     xd = np_dequant_activation(x, sx, recipe, None if xq_groups is None else SIZES_TOTAL, M)
     wd = np_dequant_weight(w_all, sw_all, recipe)
     rows = oracle.rows(SIZES_TOTAL, M)
@@ -485,7 +483,7 @@ def test_k_grouped_matches_oracle(M, Ka, Nb, sizes, recipe, fmt):
     bd = np_dequant_activation_t(b_t, sb, recipe, sizes, M)
     live = np.array([len(r) > 0 for r in oracle.rows(sizes, M)])
 
-    f = jax.jit(partial(J.k_grouped_mm_fp8_reference, M, recipe=recipe, out_dtype=jnp.float32))
+    f = jax.jit(partial(J._k_grouped_mm_fp8, M, recipe=recipe, out_dtype=jnp.float32))
     out = f(a_t=a_t, sa=sa, b_t=b_t, sb=sb, group_sizes=gj)
     assert out.shape == (G, Ka, Nb) and out.dtype == jnp.float32
     ref = oracle.k_grouped_mm(ad, bd, sizes)
@@ -495,7 +493,7 @@ def test_k_grouped_matches_oracle(M, Ka, Nb, sizes, recipe, fmt):
     # with c: live groups add, empty groups return c bit for bit (c holds -0.0s)
     c = outliers((G, Ka, Nb), seed=9)
     c[:, 0, :] = -0.0
-    g = jax.jit(partial(J.k_grouped_mm_fp8_reference, M, recipe=recipe, out_dtype=jnp.float32))
+    g = jax.jit(partial(J._k_grouped_mm_fp8, M, recipe=recipe, out_dtype=jnp.float32))
     out_c = g(a_t=a_t, sa=sa, b_t=b_t, sb=sb, group_sizes=gj, c=jnp.asarray(c))
     assert out_c.dtype == jnp.float32
     ref_c = oracle.k_grouped_mm(ad, bd, sizes, c=c)
@@ -512,7 +510,7 @@ def test_k_grouped_group_offset(recipe, with_c):
     M, Ka, Nb, n = 150, 200, 72, 2
     gj = jnp.asarray(SIZES_TOTAL, jnp.int32)
     a_t, sa, b_t, sb = quantized_t(M, Ka, Nb, gj, recipe, jd, seed=17)
-    full = J.k_grouped_mm_fp8_reference(M, a_t, sa, b_t, sb, gj, recipe, jnp.float32)
+    full = J._k_grouped_mm_fp8(M, a_t, sa, b_t, sb, gj, recipe, jnp.float32)
     ad = np_dequant_activation_t(a_t, sa, recipe, SIZES_TOTAL, M)
     bd = np_dequant_activation_t(b_t, sb, recipe, SIZES_TOTAL, M)
     ref_all = oracle.k_grouped_mm(ad, bd, SIZES_TOTAL)
@@ -520,7 +518,7 @@ def test_k_grouped_group_offset(recipe, with_c):
 
     @jax.jit
     def f(a_t, sa, b_t, sb, gs, offset, c):
-        return J.k_grouped_mm_fp8_reference(
+        return J._k_grouped_mm_fp8(
             M, a_t, sa, b_t, sb, gs, recipe, jnp.float32, c=c, group_offset=offset, num_groups=n
         )
 
@@ -555,7 +553,7 @@ def test_degenerate_shapes(recipe):
         assert scale.shape == (s_shape[::-1] if recipe == "blockwise" else s_shape)
         assert scale_t.shape == st_shape
         assert (np.asarray(scale) == 1).all() and (np.asarray(scale_t) == 1).all()
-        out = J.k_grouped_mm_fp8_reference(M, data_t, scale_t, data_t, scale_t, gj, recipe, jnp.float32)
+        out = J._k_grouped_mm_fp8(M, data_t, scale_t, data_t, scale_t, gj, recipe, jnp.float32)
         assert out.shape == (len(sizes), K, K) and not f64(out).any()
     for G, N, K in [(0, 8, 8), (2, 0, 8), (2, 8, 0)]:
         q = jit_quantize_weight(jnp.ones((G, N, K)), recipe=recipe, dtype=jd, transpose=True)
@@ -563,11 +561,11 @@ def test_degenerate_shapes(recipe):
         assert q[0].shape == (G, N, K) and q[2].shape == (G, K, N)
         assert q[1].shape == s_shape and q[3].shape == st_shape
     gj = jnp.asarray([3, 4], jnp.int32)
-    x, sx, x_t, sx_t = J.quantize_activation(jnp.ones((10, 8)), gj, recipe, jd, True)
-    w, sw, _, _ = J.quantize_weight(jnp.ones((0, 5, 8)), recipe, jd, False)
-    out = J.m_grouped_mm_fp8_reference(x, sx, w, sw, gj, recipe, jnp.float32, group_offset=jnp.int32(0))
+    x, sx, x_t, sx_t = J._quantize_activation(jnp.ones((10, 8)), gj, recipe, jd, True)
+    w, sw, _, _ = J._quantize_weight(jnp.ones((0, 5, 8)), recipe, jd, False)
+    out = J._m_grouped_mm_fp8(x, sx, w, sw, gj, recipe, jnp.float32, group_offset=jnp.int32(0))
     assert out.shape == (10, 5) and not f64(out).any()
-    out = J.k_grouped_mm_fp8_reference(
+    out = J._k_grouped_mm_fp8(
         10, x_t, sx_t, x_t, sx_t, gj, recipe, jnp.float32, group_offset=jnp.int32(1), num_groups=0
     )
     assert out.shape == (0, 8, 8)
@@ -584,6 +582,6 @@ def test_m_grouped_one_group(recipe):
     w, sw, _, _ = jit_quantize_weight(
         jnp.asarray(outliers((1, N, K), seed=32)), recipe=recipe, dtype=jd, transpose=False
     )
-    out = jax.jit(lambda *a: J.m_grouped_mm_fp8_reference(*a, None, recipe, jnp.float32))(x, sx, w, sw)
+    out = jax.jit(lambda *a: J._m_grouped_mm_fp8(*a, None, recipe, jnp.float32))(x, sx, w, sw)
     ref = np_dequant_activation(x, sx, recipe, None, M) @ np_dequant_weight(w, sw, recipe)[0].T
     assert relerr(out, ref) <= GEMM_TOL

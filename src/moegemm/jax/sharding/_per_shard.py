@@ -1,6 +1,6 @@
 """Runs a plan on one shard's blocks: the plan's all-gathers, one local call, its psum / psum_scatter.
 
-Shared by the jit partitioner (:mod:`.partition`) and shard_map (:mod:`.shard_map`), so both run the
+Shared by the jit partitioner (:mod:`._partition`) and shard_map (:mod:`._shard_map`), so both run the
 same collectives. Traced inside a computation with named mesh axes.
 """
 
@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from moegemm._src import layout
-from moegemm.jax.sharding.local_ops import LocalOps
-from moegemm.jax.sharding.plans import Axes, KGroupedPlan, MGroupedPlan
+from moegemm.jax.sharding._local_ops import LocalOps
+from moegemm.jax.sharding._plans import Axes, KGroupedPlan, MGroupedPlan
 
 
 def linear_index(axes: Axes):

@@ -1,17 +1,46 @@
-"""Plain PyTorch twins of the FP8 kernels (quantize and the scaled grouped GEMMs), and dequantization.
+"""The private half of the PyTorch twins (``moegemm.torch.reference`` holds the public ones).
 
-The quantize twin reproduces the kernels bit for bit (the same fp32 amax, division and round-to-
-nearest-even cast); the GEMM twins multiply the dequantized operands in fp32 (fp64 for the exact
-check). Dequantization runs without a host sync (searchsorted over the group ends), so
-``Fp8Tensor.dequantize`` uses it on any device; the quantize and GEMM twins sync, like the BF16 ones.
+- group geometry: the clamped row bounds of each group, as the kernels compute them;
+- column sums per group (the bias gradient's twin);
+- FP8: the quantize twins, which reproduce the quantize kernels bit for bit (the same fp32 amax,
+  division and round-to-nearest-even cast), and dequantization (``moegemm._src.fp8`` layouts).
+  Dequantization runs without a host sync (searchsorted over the group ends), so
+  ``Fp8Tensor.dequantize`` uses it on any device; the other twins sync (``group_sizes.tolist()``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from moegemm._src import fp8
-from moegemm.torch.reference import group_bounds
+from moegemm._src import fp8, layout
+
+
+def group_bounds(group_sizes: torch.Tensor, M: int) -> list[tuple[int, int]]:
+    """[(start_g, end_g)] of device or host sizes (one sync); see moegemm._src.layout for the rule."""
+    return layout.group_bounds(group_sizes.tolist(), M)
+
+
+def exact_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 products of 16-bit inputs are exact (even as TF32 on a GPU); fp32 inputs need fp64 for that."""
+    return torch.float64 if dtype == torch.float32 else torch.float32
+
+
+def grouped_column_sums(
+    a: torch.Tensor,
+    group_sizes: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.float32,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """a [M, K] -> [G, K]; for g: out[g] = sum(a[rows(g)], 0) (the bias gradient when a is dy)."""
+    compute_dtype = compute_dtype or exact_dtype(a.dtype)
+    out = torch.zeros(group_sizes.shape[0], a.shape[1], dtype=compute_dtype, device=a.device)
+    for g, (start, end) in enumerate(group_bounds(group_sizes, a.shape[0])):
+        out[g] = a[start:end].to(compute_dtype).sum(0)
+    return out.to(out_dtype)
+
+
+# ---------------------------------------------------------------- FP8
 
 
 def _fp8_max(dtype: torch.dtype) -> float:
@@ -203,41 +232,3 @@ def quantize_weight(w, recipe, dtype, transpose: bool):
     if not transpose:
         return data, scale, None, None
     return data, scale, data.mT.contiguous(), scale.transpose(1, 2)
-
-
-# ---------------------------------------------------------------- GEMM twins
-
-
-def m_grouped_mm_fp8_reference(x, sx, w, sw, group_sizes, bias, recipe, out_dtype, x_group_sizes=None):
-    """(x * sx)[rows(g)] @ ((w * sw)[g])^T (+ bias[g]), x [M, K], w [G, N, K]; x_group_sizes are the
-    sizes x was quantized with (tensorwise scales are per group: they default to group_sizes)."""
-    scale_groups = group_sizes if x_group_sizes is None and sx.numel() > 1 else x_group_sizes
-    xd = dequantize_activation(x, sx, recipe, scale_groups)
-    wd = dequantize_weight(w, sw, recipe)
-    out = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float32, device=x.device)
-    for g, (start, end) in enumerate(group_bounds(group_sizes, x.shape[0])):
-        if end > start:
-            out[start:end] = xd[start:end] @ wd[g].T
-            if bias is not None:
-                out[start:end] += bias[g].float()
-    return out.to(out_dtype)
-
-
-def k_grouped_mm_fp8_reference(
-    M, a_t, sa, b_t, sb, group_sizes, recipe, *, out=None, accumulate=False, out_dtype=torch.float32
-):
-    """out[g] (+)= (a * sa)[rows(g)]^T @ (b * sb)[rows(g)] from the transposed copies (``moegemm._src.fp8``)."""
-    ad = dequantize_activation_t(a_t, sa, recipe, group_sizes, M)
-    bd = dequantize_activation_t(b_t, sb, recipe, group_sizes, M)
-    bounds = group_bounds(group_sizes, M)
-    result = torch.zeros(len(bounds), a_t.shape[0], b_t.shape[0], dtype=torch.float32, device=a_t.device)
-    for g, (start, end) in enumerate(bounds):
-        result[g] = ad[start:end].T @ bd[start:end]
-    if out is None:
-        return result.to(out_dtype)
-    for g, (start, end) in enumerate(bounds):
-        if not accumulate:
-            out[g] = result[g]
-        elif end > start:
-            out[g] = out[g].float() + result[g]
-    return out

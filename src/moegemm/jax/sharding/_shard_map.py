@@ -1,6 +1,6 @@
 """Inside shard_map: the plans the jit partitioner picks, on explicit specs, with their transposed backward.
 
-The forward is :mod:`.per_shard`'s runner; the backward is its transpose, collective by collective
+The forward is :mod:`._per_shard`'s runner; the backward is its transpose, collective by collective
 (psum_scatter <-> all-gather, psum -> nothing), with a k-grouped weight gradient and each gradient
 summed over the manual axes its operand is replicated on.
 """
@@ -12,9 +12,10 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from moegemm.jax.sharding.local_ops import LocalOps, resolve_ops
-from moegemm.jax.sharding.per_shard import _scale_axes, all_gather, m_grouped_gather, m_grouped_local
-from moegemm.jax.sharding.plans import Axes, ShardingRuleError, dims, plan_m_grouped, spec
+from moegemm.jax.sharding._local_ops import LocalOps, resolve_ops
+from moegemm.jax.sharding._partition import _high_precision
+from moegemm.jax.sharding._per_shard import _scale_axes, all_gather, m_grouped_gather, m_grouped_local
+from moegemm.jax.sharding._plans import Axes, ShardingRuleError, dims, plan_m_grouped, spec
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -88,14 +89,18 @@ def shard_map_ragged_dot(
     rhs_spec,
     out_rows: Axes = (),
     preferred_element_type=None,
+    fp8_recipe: str | None = None,
+    fp8_dtype=jnp.float8_e4m3fn,
+    backend: str = "auto",
     ops: LocalOps | None = None,
 ) -> jax.Array:
     """Inside shard_map: lhs/rhs are this shard's blocks of arrays sharded as lhs_spec/rhs_spec.
 
     Runs the plans the jit partitioner would pick, forward and backward (same collectives, same
     result); the output is this shard's block of out_spec(lhs_spec, rhs_spec, out_rows).
-    group_sizes is global (all G groups) and replicated. ops: as for ``ragged_dot``.
+    group_sizes is global (all G groups) and replicated. fp8_recipe, backend, ops: as for ``ragged_dot``.
     """
+    _high_precision("sharding.shard_map_ragged_dot", lhs, rhs)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     plan = plan_m_grouped(lhs_spec, rhs_spec, out_rows)
     if plan.lhs != dims(lhs_spec, 2) or plan.rhs != dims(rhs_spec, 3):
@@ -103,4 +108,5 @@ def shard_map_ragged_dot(
             f"under shard_map the blocks must already be laid out as the rules want: lhs {spec(*plan.lhs)}, "
             f"rhs {spec(*plan.rhs)} (got {lhs_spec}, {rhs_spec})"
         )
-    return _shard_map_ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), plan, resolve_ops(ops), out_dtype)
+    ops = resolve_ops(ops, backend, fp8_recipe, fp8_dtype)
+    return _shard_map_ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), plan, ops, out_dtype)

@@ -2,12 +2,13 @@
 
 Each op is a ``jax.experimental.custom_partitioning`` wrapper with a Shardy ``sharding_rule`` (for
 propagation), a GSPMD ``infer_sharding_from_operands`` giving the same answer, and a ``partition``
-callback that turns the operand shardings into a plan (:mod:`.plans`) and lowers to
-:mod:`.per_shard`'s runner. The backward is a custom_vjp whose steps are partitioned ops too.
+callback that turns the operand shardings into a plan (:mod:`._plans`) and lowers to
+:mod:`._per_shard`'s runner. The backward is a custom_vjp whose steps are partitioned ops too.
 """
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -15,9 +16,13 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding
 
-from moegemm.jax.sharding.local_ops import LocalOps, resolve_ops
-from moegemm.jax.sharding.per_shard import k_grouped_local, m_grouped_local
-from moegemm.jax.sharding.plans import ShardingRuleError, dims, plan_k_grouped, plan_m_grouped, spec
+from moegemm._src import fp8
+from moegemm._src.jax import ops as _ops
+from moegemm.jax import api
+from moegemm.jax.api import Fp8Array
+from moegemm.jax.sharding._local_ops import LocalOps, _pmax, resolve_ops
+from moegemm.jax.sharding._per_shard import k_grouped_local, linear_index, m_grouped_local, shard_group_sizes
+from moegemm.jax.sharding._plans import Axes, ShardingRuleError, dims, plan_k_grouped, plan_m_grouped, spec
 
 
 def named(mesh, *dim_axes):
@@ -36,6 +41,20 @@ def require_auto_axes(*arrays):
                 f"operand sharded over Explicit mesh axes {explicit}: moegemm's partitioning rules need "
                 "AxisType.Auto axes: jax.make_mesh(..., axis_types=(AxisType.Auto,) * n)"
             )
+
+
+def _high_precision(op: str, lhs, rhs) -> None:
+    """The sharded ops quantize on each shard (fp8_recipe=): quantized operands would need their scales
+    partitioned with them, which the rules do not do."""
+    if isinstance(lhs, Fp8Array) or isinstance(rhs, Fp8Array):
+        kinds = ", ".join(
+            f"{n} is {'an Fp8Array' if isinstance(a, Fp8Array) else 'high precision'}"
+            for n, a in (("lhs", lhs), ("rhs", rhs))
+        )
+        raise TypeError(
+            f"{op} takes high-precision operands ({kinds}); for FP8 pass them unquantized with fp8_recipe=, "
+            "which quantizes on each shard"
+        )
 
 
 # ---------------------------------------------------------------- m_grouped_mm (ragged_dot)
@@ -167,6 +186,9 @@ def ragged_dot(
     group_sizes: jax.Array,
     *,
     preferred_element_type=None,
+    fp8_recipe: fp8.Recipe | None = None,
+    fp8_dtype=jnp.float8_e4m3fn,
+    backend: api.Backend = "auto",
     ops: LocalOps | None = None,
 ) -> jax.Array:
     """jax.lax.ragged_dot for sharded operands under jit: for g: out[rows(g)] = lhs[rows(g)] @ rhs[g].
@@ -174,12 +196,103 @@ def ragged_dot(
     lhs [M, K], rhs [G, K, N], group_sizes int32 [G] (global, replicated) -> [M, N]. The shardings
     of lhs and rhs pick the collectives (``moegemm.jax.sharding``'s table); unservable ones raise
     ShardingRuleError at compile time. Differentiable in lhs and rhs; the weight gradient keeps
-    rhs's sharding. ops: the per-shard computation; None is ``moegemm_local_ops("auto")``.
+    rhs's sharding. The per-shard computation is moegemm's kernels on ``backend``
+    (``moegemm_local_ops(backend)``), or ``ops``. ``fp8_recipe``: the same plans with FP8 local calls
+    (quantized on the shard, scales reduced across the shards sharing them; ``moegemm.jax.sharding``'s
+    FP8 rules), forward, dgrad and wgrad, straight through the quantization.
     """
+    _high_precision("sharding.ragged_dot", lhs, rhs)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.shape != (rhs.shape[0],):
         raise ValueError(
             f"want lhs [M, K], rhs [G, K, N], group_sizes [G]; got {lhs.shape}, {rhs.shape}, {group_sizes.shape}"
         )
     require_auto_axes(lhs, rhs)
-    return _ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), resolve_ops(ops), out_dtype)
+    ops = resolve_ops(ops, backend, fp8_recipe, fp8_dtype)
+    return _ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), ops, out_dtype)
+
+
+# ---------------------------------------------------------------- the grouped quantize
+
+
+def _quantize_specs(recipe: str, m: Axes, k: Axes) -> tuple[tuple[Axes, ...], tuple[Axes, ...]]:
+    """(data's, scale's) axes per dimension for activations whose rows are sharded over m, K over k."""
+    scale = {"tensorwise": ((),), "rowwise": (m,), "blockwise": (k, m)}[recipe]
+    return (m, k), scale
+
+
+def _quantize_plan(recipe: str, x_spec, shape, mesh_shape) -> tuple[Axes, Axes]:
+    m, k = dims(x_spec, 2)
+    if recipe == "rowwise" and k:
+        raise ShardingRuleError(
+            f"rowwise FP8 scales span the whole row: x's K must not be sharded (mesh axes {k})"
+        )
+    if recipe == "blockwise" and k and (shape[1] // math.prod(mesh_shape[a] for a in k)) % fp8.SCALE_BLOCK:
+        raise ShardingRuleError(
+            f"blockwise FP8: x's K={shape[1]} sharded over mesh axes {k} leaves 1x128 tiles that straddle shards"
+        )
+    return m, k
+
+
+def _quantize_partition(recipe, dtype, backend, mesh, arg_shapes, result_shape):
+    x, _ = arg_shapes
+    m, k = _quantize_plan(recipe, x.sharding.spec, x.shape, dict(mesh.shape))
+    data_axes, scale_axes = _quantize_specs(recipe, m, k)
+    M_local = x.shape[0] // math.prod(mesh.shape[a] for a in m) if m else x.shape[0]
+
+    def lower(x, group_sizes):
+        if m:  # this shard's rows of every group
+            group_sizes = shard_group_sizes(group_sizes, linear_index(m) * M_local, M_local)
+        reduce = _pmax(m + k) if recipe == "tensorwise" else None
+        parts = _ops.quantize_activation(x, group_sizes, recipe, dtype, False, api._executor(backend), reduce)
+        return parts.data, parts.scale
+
+    outs = (named(mesh, *data_axes), named(mesh, *scale_axes))
+    return mesh, lower, outs, (named(mesh, m, k), named(mesh, ()))
+
+
+def _quantize_infer(recipe, dtype, backend, mesh, arg_shapes, result_shape):
+    m, k = dims(arg_shapes[0].sharding.spec, 2)
+    data_axes, scale_axes = _quantize_specs(recipe, m, k)
+    return named(mesh, *data_axes), named(mesh, *scale_axes)
+
+
+def _quantize_rule(recipe, dtype, backend, mesh, operand_types, result_types):
+    scale = {"tensorwise": "g", "rowwise": "m", "blockwise": "b m"}[recipe]
+    factors = ("s", "g") if recipe == "tensorwise" else ("s",)
+    return f"m k, s -> m k, {scale}", {"need_replication_factors": factors}
+
+
+@partial(custom_partitioning, static_argnums=(2, 3, 4))
+def _quantize(x, group_sizes, recipe, dtype, backend):
+    parts = _ops.quantize_activation(x, group_sizes, recipe, dtype, False, api._executor(backend))
+    return parts.data, parts.scale
+
+
+_quantize.def_partition(
+    partition=_quantize_partition, infer_sharding_from_operands=_quantize_infer, sharding_rule=_quantize_rule
+)
+
+
+def quantize_fp8(
+    x: jax.Array,
+    recipe: fp8.Recipe,
+    *,
+    group_sizes: jax.Array,
+    dtype=jnp.float8_e4m3fn,
+    backend: api.Backend = "auto",
+) -> Fp8Array:
+    """The grouped quantize of activations x [M, K] sharded under jit (``moegemm.jax.quantize_fp8``'s
+    semantics, no transposed copy): tokens may be sharded over any DP/EP/FSDP axes. Tensorwise: each
+    group's amax is computed on the shard and ``pmax``-ed over the axes sharding x, so every shard
+    casts with the unsharded tensor's scale (the data and scales equal the unsharded op's bit for bit).
+    Rowwise and blockwise scales are per row, local. data comes out sharded like x; the scale
+    replicated (tensorwise [G]), like x's rows (rowwise [M]) or [K axes, row axes] (blockwise
+    [cdiv(K, 128), M]). group_sizes [G] is global and replicated."""
+    fp8.check_recipe(recipe)
+    if x.ndim != 2 or group_sizes.ndim != 1:
+        raise ValueError(f"want x [M, K] and group_sizes [G]; got {x.shape} and {group_sizes.shape}")
+    require_auto_axes(x)
+    sizes = group_sizes.astype(jnp.int32)
+    data, scale = _quantize(x, sizes, recipe, jnp.dtype(dtype), backend)
+    return Fp8Array(data, scale, None, None, sizes, recipe)
