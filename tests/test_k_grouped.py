@@ -207,7 +207,7 @@ class TestKGroupedTriton(KGroupedTest):
 
 class TestKGroupedTritonFlat(KGroupedTest):
     """The same cases through the flat loop (KGroupedConfig.flat: one loop over every reduction step
-    of a program's tiles), loading through cp.async with masks (MOEGEMM_TMA_LOAD=0)."""
+    of a program's tiles), loading through cp.async with masks (constrain(tma_load=False))."""
 
     BACKEND = "triton"
     OUT_DTYPE = torch.bfloat16  # the flat loop runs for 2-byte outputs only
@@ -515,7 +515,7 @@ class TestKGroupedTritonTmaStore(KGroupedTest):
 
 
 class TestKGroupedTritonRegisterStore(KGroupedTest):
-    """2-byte outputs stored from registers (MOEGEMM_TMA_STORE=0, and every out no descriptor fits)."""
+    """2-byte outputs stored from registers (constrain(tma_store=False), and every out no descriptor fits)."""
 
     BACKEND = "triton"
     OUT_DTYPE = torch.bfloat16

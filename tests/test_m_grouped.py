@@ -142,7 +142,7 @@ class TestMGroupedTritonTmaLoad(MGroupedTest):
     """x and w read through two TMA descriptors the kernel makes once per program: x [M, K] and w's 2-D
     view, [G * N, K] (K-contiguous) or [G * K, N] (N-contiguous, only without a K tail: a tail step would
     put the next expert's rows into the reduction). A spy checks every launch took the path its inputs
-    allow: 2-byte operands, 16-byte row strides, the experts back to back. The per-tile loop (MOEGEMM_M_FLAT=0);
+    allow: 2-byte operands, 16-byte row strides, the experts back to back. The per-tile loop (constrain(flat=False));
     TestMGroupedTritonFlat runs the same tests through the flat loop."""
 
     BACKEND = "triton"
@@ -290,7 +290,7 @@ class TestMGroupedTritonFlatTmaStore(TestMGroupedTritonFlat):
 
 
 class TestMGroupedTritonRegisterStore(MGroupedTest):
-    """Every tile stored from registers (MOEGEMM_TMA_STORE=0, and every out no descriptor fits)."""
+    """Every tile stored from registers (constrain(tma_store=False), and every out no descriptor fits)."""
 
     BACKEND = "triton"
     pytestmark = pytest.mark.gpu
@@ -307,7 +307,7 @@ class TestMGroupedTritonRegisterStore(MGroupedTest):
 
 
 class TestMGroupedTritonUniformM(MGroupedTest):
-    """Every row tile BLOCK_M high (MOEGEMM_MIXED_M=0, MOEGEMM_TAIL_SPLIT=0): no half-high tiles. A spy
+    """Every row tile BLOCK_M high (constrain(mixed_m=False, tail_split=False)): no half-high tiles. A spy
     fails any test whose launch had them on."""
 
     BACKEND = "triton"
