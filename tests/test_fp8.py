@@ -195,7 +195,9 @@ class GemmTest:
         )
         err = relerr(dw.cpu(), torch.from_numpy(want))
         assert err <= GEMM_TOL, f"wgrad {recipe} {sizes}: relerr {err:.2e}"
-        assert relerr(dw.cpu(), k_grouped_mm_reference(dy_q, x_q, gs).cpu()) <= TWIN_TOL, f"wgrad {recipe}: twin"
+        assert relerr(dw.cpu(), k_grouped_mm_reference(dy_q, x_q, gs).cpu()) <= TWIN_TOL, (
+            f"wgrad {recipe}: twin"
+        )
         for g, r in enumerate(oracle.rows(sizes, M)):
             if not len(r):
                 assert (dw[g] == 0).all(), f"empty group {g}: dW must be exact zeros"
@@ -295,6 +297,12 @@ class GemmTest:
             k_grouped_mm(
                 torch.randn(40, 32, device=DEVICE), torch.randn(40, 8, device=DEVICE), gs, fast_accum=True
             )
+
+    def test_wgrad_takes_the_operands_group_sizes(self):
+        """Quantized wgrad operands carry their group sizes: group_sizes may be left out."""
+        gs, x_q, _, dy_q = self.operands("rowwise", 40, 32, 16, [30, 0, 10])
+        given = k_grouped_mm(dy_q, x_q, gs, backend=self.BACKEND)
+        assert torch.equal(k_grouped_mm(dy_q, x_q, backend=self.BACKEND), given)
 
     def test_bias_gradient(self):
         """Of a quantized call, the bias is differentiable: dbias[g] = sum(dy[rows(g)], 0), in its dtype."""

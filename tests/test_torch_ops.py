@@ -233,6 +233,8 @@ def test_k_grouped_bad_input():
         k_grouped_mm(a, b, [5, 5], accumulate=True)
     with pytest.raises(TypeError, match="out_dtype must be"):
         k_grouped_mm(a, b, [5, 5], out_dtype=torch.int32)
+    with pytest.raises(ValueError, match="group_sizes is required for high-precision operands"):
+        k_grouped_mm(a, b)
 
 
 @pytest.mark.parametrize(

@@ -249,6 +249,3 @@ def shard_map_dense(
         )
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     return _dense_local(plan, matmul, out_dtype, lhs, _swap_kn(rhs, rhs_layout))
-
-
-__all__ = ["DENSE_REFERENCE_OPS", "DensePlan", "dense", "plan_dense", "shard_map_dense"]

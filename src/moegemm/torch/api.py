@@ -99,7 +99,7 @@ def m_grouped_mm(
 def k_grouped_mm(
     a: torch.Tensor | Fp8Tensor,
     b: torch.Tensor | Fp8Tensor,
-    group_sizes: GroupSizes | None,
+    group_sizes: GroupSizes | None = None,
     *,
     out: torch.Tensor | None = None,
     accumulate: bool = False,
@@ -134,6 +134,8 @@ def k_grouped_mm(
             f"k_grouped_mm expects a [M, K] and b [M, N] with the same M; got a {tuple(a.shape)}, "
             f"b {tuple(b.shape)}"
         )
+    if group_sizes is None:
+        raise ValueError("k_grouped_mm: group_sizes is required for high-precision operands")
     group_sizes = as_group_sizes(group_sizes, None, a.device)
     G, K, N = group_sizes.shape[0], a.shape[1], b.shape[1]
     if checks_enabled(check):

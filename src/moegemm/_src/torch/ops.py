@@ -380,10 +380,11 @@ def _(x, group_sizes, recipe, dtype, transpose, G, backend, data=True):
 
 def _m_grouped_setup(ctx, inputs, output):
     x, w, group_sizes, bias, backend = inputs[:5]
-    ctx.save_for_backward(x, w, group_sizes)
+    ctx.quantized = len(inputs) > 5 and inputs[5] is not None
+    # A quantized call is differentiable in bias only: keep its FP8 data out of the saved tensors.
+    ctx.save_for_backward(*((None, None) if ctx.quantized else (x, w)), group_sizes)
     ctx.backend = backend
     ctx.bias_dtype = None if bias is None else bias.dtype
-    ctx.quantized = len(inputs) > 5 and inputs[5] is not None
 
 
 def _m_grouped_backward(ctx, grad_out):
