@@ -399,7 +399,7 @@ def fp8_quantize_cols_kernel(
     scale = _scale(amax, FP8_MAX)
     tl.store(st_ptr + g.to(tl.int64) * stride_stg + (col0 + offs_c) * stride_stc, scale, mask=col_mask)
     # data_t as bytes (uint8): this kernel's transposed FP8 values are the only ones it stores, and its
-    # bytes came out right on the H100 for every width checked (scripts/check_fp8_quantize_bytes.py),
+    # bytes came out right on the H100 for every width checked (tools/check_quantize_bytes.py),
     # whereas packing token pairs into 16-bit words did not (fp32 inputs, C a multiple of 16).
     if T_GROUP_LOCAL:
         t_base = qt_ptr + g.to(tl.int64) * stride_tg
