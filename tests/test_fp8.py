@@ -396,9 +396,10 @@ def ws_spy(monkeypatch, launch_name: str, config=None) -> list:
     """Skips without Gluon on an sm90 GPU. Else returns the list that records the spec of every launch
     through ``_launch_fp8.<launch_name>`` (a warp-specialized kernel), with ``config`` forced for both
     warp-specialized kernels if given (launch caches cleared; callers clear them again after)."""
+    from moegemm._src.torch import launch as _launch
     from moegemm._src.torch import launch_fp8 as _launch_fp8
 
-    if not _launch_fp8._ws_device(torch.device(DEVICE)):
+    if not _launch._ws_device(torch.device(DEVICE)):
         pytest.skip("the warp-specialized kernel needs Gluon and an sm90 GPU")
     if config is not None:
         from moegemm._src import plan

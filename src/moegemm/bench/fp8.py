@@ -268,7 +268,7 @@ class Fp8Bench:
         """Times every candidate config of each (op, recipe, accumulation mode) on this case; returns
         the winners by the cache key the launcher looks up (recorded by ``harness.config_spy``)."""
         from moegemm._src import configs
-        from moegemm._src.torch.launch_fp8 import fp8_op
+        from moegemm._src.fp8 import config_op as fp8_op
         from moegemm.bench import harness, tune
 
         G, M, K, N = case.G, case.M, case.K, case.N

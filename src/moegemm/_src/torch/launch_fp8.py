@@ -23,7 +23,6 @@ from moegemm._src.torch.launch import (
     DirectLaunch,
     _dtype_name,
     _target,
-    _ws_device,  # noqa: F401  (tests ask where the Gluon kernels run)
 )
 
 M_GROUPED_FP8 = DirectLaunch(m_grouped_mm_fp8_kernel)
@@ -57,13 +56,6 @@ def clear_launch_cache() -> None:
 
 
 plan.on_change(clear_launch_cache)  # plan.constrain(fp8_ws=False) runs every FP8 GEMM on the Triton kernels
-
-
-fp8_op = fp8.config_op  # the config table and cache key rules both front ends share
-
-
-def fp8_key_dtype(recipe: str, dtype, fast_accum: bool) -> str:
-    return fp8.config_dtype(recipe, _dtype_name(dtype), fast_accum)
 
 
 @functools.lru_cache(maxsize=4096)
