@@ -57,6 +57,20 @@ class KGroupedTest:
     def test_edge_case(self, case):
         self.check(case.M, case.K, case.N, list(case.sizes))
 
+    @pytest.mark.parametrize("stage", [True, False], ids=["staged", "as-given"])
+    def test_unaligned_views_read_no_padding(self, stage):
+        """a and b as views of wider buffers whose extra columns hold NaN, with odd K and N (rows neither
+        16-byte aligned nor padded): staged or read as given, the padding never enters dW."""
+        plan.constrain(stage_rows=stage)
+        sizes = [9, 0, 30]
+        a_wide = torch.full((39, 40), float("nan"), dtype=torch.bfloat16)
+        b_wide = torch.full((39, 24), float("nan"), dtype=torch.bfloat16)
+        a_wide[:, :33], b_wide[:, :17] = make_inputs(39, 33, 17, torch.bfloat16, seed=6)
+        a, b = a_wide.to(DEVICE)[:, :33], b_wide.to(DEVICE)[:, :17]
+        gs = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
+        out = k_grouped_mm(a, b, gs, out_dtype=torch.float32, backend=self.BACKEND)
+        assert_rel_close(out.cpu(), reference(a, b, gs), torch.float32, what=f"padded views stage={stage}")
+
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
     @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
     def test_dtypes(self, dtype, out_dtype):
@@ -205,6 +219,29 @@ class TestKGroupedTriton(KGroupedTest):
     pytestmark = pytest.mark.gpu
 
 
+class TestKGroupedTritonSplitRows(KGroupedTest):
+    """Every launch without accumulation or column sums runs each tile's rows in 3 slices
+    (constrain(split_k=3)), fp32 partials summed by the reduction kernel into out (its views included): empty
+    groups, one-row groups, slices with no rows. A spy fails any test where such a launch did not split, or
+    where one with accumulation, column sums or no rows (M = 0) did."""
+
+    BACKEND = "triton"
+    pytestmark = pytest.mark.gpu
+
+    @pytest.fixture(autouse=True)
+    def split(self, monkeypatch):
+        from moegemm._src.torch import launch as _launch
+
+        plan.constrain(split_k=3)
+        _launch.clear_launch_cache()
+        calls = record_launches(monkeypatch, "k_grouped")
+        yield
+        for _, spec in calls:
+            M, accumulate, colsum = spec[0], spec[8], spec[9]
+            want = 1 if accumulate or colsum or M == 0 else 3
+            assert _launch._k_launch(*spec).meta["SPLIT_R"] == want, spec
+
+
 class TestKGroupedTritonFlat(KGroupedTest):
     """The same cases through the flat loop (KGroupedConfig.flat: one loop over every reduction step
     of a program's tiles), loading through cp.async with masks (constrain(tma_load=False))."""
@@ -259,9 +296,7 @@ class TestKGroupedTritonFlatTmaLoad(KGroupedTest):
             M > 0
             and dtype.itemsize == 2
             and out.dtype.itemsize == 2
-            and not transposed
-            and K % 8 == 0
-            and N % 8 == 0
+            and not transposed  # a's rows not 16-byte aligned are staged into aligned ones (plan.stage_rows)
         )
         for _, spec in self.calls[before:]:
             assert _launch._k_launch(*spec).meta["TMA_LOAD"] == want, (M, K, N, dtype, out.dtype, transposed)
@@ -285,23 +320,26 @@ class TestKGroupedTritonFlatTmaLoad(KGroupedTest):
         self.check(sum(sizes), 40, 24, sizes, dtype=torch.float16, seed=3)
 
     def test_small_launches_keep_cp_async(self, monkeypatch):
-        """Below TMA_LOAD_MIN_FLOPS (2 M N K) the config's TMA loads give way to cp.async: the per-call
+        """Below TMA_LOAD_MIN_FLOPS (plan.launch_work) the config's TMA loads give way to cp.async: the per-call
         scratch allocation would cost more host time than so short a launch hides."""
         from moegemm._src.torch import launch as _launch
 
         M, K, N, sizes = 40, 16, 24, [25, 15]
         a, b = make_inputs(M, K, N, torch.bfloat16, seed=8)
         gs = torch.tensor(sizes, device=DEVICE)
-        for min_flops, want in ((2 * M * N * K + 1, False), (2 * M * N * K, True)):
+        work = plan.launch_work(M, N, K, 2)
+        for min_flops, want in ((work + 1, False), (work, True)):
             plan.constrain(tma_load_min_flops=min_flops)
             before = len(self.calls)
             out = k_grouped_mm(a, b, gs, out_dtype=torch.bfloat16, backend=self.BACKEND)
             assert [_launch._k_launch(*s).meta["TMA_LOAD"] for _, s in self.calls[before:]] == [want]
             assert_rel_close(out.cpu(), reference(a, b, gs), torch.bfloat16, what=f"min_flops {min_flops}")
 
-    def test_unaligned_rows_keep_cp_async(self):
-        """b's rows 36 elements apart (72 bytes): no descriptor describes them, the cp.async loop runs."""
+    def test_unaligned_rows_are_staged(self):
+        """b's rows 36 elements apart (72 bytes), and odd K: staged into 16-byte aligned rows, which TMA
+        descriptors describe (docs/design.md, 'Unaligned rows')."""
         self.check(50, 40, 36, [20, 30], seed=4)
+        self.check(50, 33, 17, [20, 30], seed=5)
 
 
 class TestKGroupedWs(KGroupedTest):
@@ -489,12 +527,13 @@ class TestKGroupedTritonTmaStore(KGroupedTest):
         assert base[outside].isnan().all(), "wrote outside the view"
 
     def test_small_launches_store_from_registers(self, monkeypatch):
-        """Below TMA_STORE_MIN_FLOPS (2 M N K) the launch keeps the register store: the descriptor's host
-        cost would not hide behind so short a launch."""
+        """Below TMA_STORE_MIN_FLOPS (plan.launch_work) the launch keeps the register store: the descriptor's
+        host cost would not hide behind so short a launch."""
         M, K, N, sizes = 40, 16, 24, [25, 15]
         a, b = make_inputs(M, K, N, torch.bfloat16, seed=8)
         gs = torch.tensor(sizes, device=DEVICE)
-        for min_flops, path in ((2 * M * N * K + 1, "K_GROUPED"), (2 * M * N * K, "K_GROUPED_TMA")):
+        work = plan.launch_work(M, N, K, len(sizes))
+        for min_flops, path in ((work + 1, "K_GROUPED"), (work, "K_GROUPED_TMA")):
             plan.constrain(tma_store_min_flops=min_flops)
             before = len(self.calls)
             out = k_grouped_mm(a, b, gs, out_dtype=torch.bfloat16, backend=self.BACKEND)

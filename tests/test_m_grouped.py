@@ -88,6 +88,29 @@ class MGroupedTest:
         out = m_grouped_mm(x, w, gs, backend=self.BACKEND)
         assert_rel_close(out.cpu(), want(x, w, sizes), torch.float32, what=name)
 
+    @pytest.mark.parametrize("layout", ["transpose_w", "k-major"])
+    @pytest.mark.parametrize("stage", [True, False], ids=["staged", "as-given"])
+    def test_unaligned_views_read_no_padding(self, layout, stage):
+        """x and w as views of wider buffers whose extra columns hold NaN, with odd K and N (rows neither
+        16-byte aligned nor padded), bias on: staged or read as given, the padding never enters out."""
+        plan.constrain(stage_rows=stage)
+        sizes, K, N = [9, 0, 30], 33, 17
+        x0, w0 = make_inputs(41, K, N, len(sizes), torch.bfloat16, layout, seed=7)
+        x = torch.full((41, 40), float("nan"), dtype=torch.bfloat16, device=DEVICE)[:, :K]
+        x.copy_(x0)
+        # w's unit-stride axis padded with NaN: [G, N, K] for transpose_w (w is its .mT), [G, K, N] for k-major.
+        inner = w0.mT if layout == "transpose_w" else w0
+        w_buf = torch.full((*inner.shape[:-1], inner.shape[-1] + 7), float("nan"), dtype=torch.bfloat16)
+        w_buf = w_buf.to(DEVICE)[..., : inner.shape[-1]]
+        w_buf.copy_(inner)
+        w = w_buf.mT if layout == "transpose_w" else w_buf
+        b = (torch.randn(len(sizes), N) + 3).to(dtype=torch.bfloat16, device=DEVICE)
+        gs = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
+        out = m_grouped_mm(x, w, gs, bias=b, backend=self.BACKEND)
+        assert_rel_close(
+            out.cpu(), want(x0, w0, sizes, b), torch.bfloat16, what=f"padded views {layout} {stage}"
+        )
+
     def test_int64_and_list_group_sizes(self):
         x, w = make_inputs(30, 16, 16, 3, torch.float32, "k-major")
         a = m_grouped_mm(x, w, torch.tensor([5, 10, 15], dtype=torch.int64), backend=self.BACKEND)
@@ -171,8 +194,11 @@ class TestMGroupedTritonTmaLoad(MGroupedTest):
         out = super().check(M, K, N, sizes, dtype=dtype, layout=layout, **kwargs)
         for _, spec in self.calls[before:]:
             block_k = _launch._m_launch(*spec).meta["BLOCK_K"]
-            rows_aligned = K % 8 == 0 if layout == "transpose_w" else N % 8 == 0 and K % block_k == 0
-            want_tma = dtype.itemsize == 2 and K % 8 == 0 and rows_aligned
+            # Rows that are not 16-byte aligned are staged into aligned ones first (plan.stage_rows), so only
+            # the K-tail rule of an N-contiguous w is left (m_grouped.tma_load_fits). With K = N = 1 both of w's
+            # axes have unit stride, and the launcher reads it N-contiguous.
+            k_contiguous = layout == "transpose_w" and min(K, N) > 1
+            want_tma = dtype.itemsize == 2 and (k_contiguous or K % block_k == 0)
             meta, what = _launch._m_launch(*spec).meta, (M, K, N, dtype, layout)
             assert meta["TMA_LOAD"] == want_tma, what
             assert meta["FLAT"] == (self.FLAT and want_tma and K <= m_grouped.FLAT_MAX_K), what
@@ -220,11 +246,12 @@ class TestMGroupedTritonTmaLoad(MGroupedTest):
             assert self.launched_tma_load(before) == [tma]
 
     def test_small_launches_keep_cp_async(self, monkeypatch):
-        """Below TMA_LOAD_MIN_FLOPS (2 M N K) the launch keeps cp.async (the scratch costs host time)."""
+        """Below TMA_LOAD_MIN_FLOPS (plan.launch_work) the launch keeps cp.async (the scratch costs host time)."""
         M, K, N = 40, 64, 24
         x, w = make_inputs(M, K, N, 2, torch.bfloat16, "transpose_w", seed=8)
         gs = torch.tensor([25, 15], device=DEVICE)
-        for min_flops, tma in ((2 * M * N * K + 1, False), (2 * M * N * K, True)):
+        work = plan.launch_work(M, N, K, 2)
+        for min_flops, tma in ((work + 1, False), (work, True)):
             plan.constrain(tma_load_min_flops=min_flops)
             before = len(self.calls)
             out = m_grouped_mm(x, w, gs, backend=self.BACKEND)
@@ -289,6 +316,26 @@ class TestMGroupedTritonFlatTmaStore(TestMGroupedTritonFlat):
             assert bool(flat_calls) == (sizes != [128, 5, 251, 128]), (sizes, len(flat_calls))
 
 
+class TestMGroupedTritonSplitK(MGroupedTest):
+    """Every launch's reduction in 3 slices (constrain(split_k=3)), fp32 partials summed by the reduction
+    kernel: empty groups, unowned rows, bias (added once), K tails and slices with no steps. A spy fails any
+    test whose launch did not split."""
+
+    BACKEND = "triton"
+    pytestmark = pytest.mark.gpu
+
+    @pytest.fixture(autouse=True)
+    def split(self, monkeypatch):
+        from moegemm._src.torch import launch as _launch
+
+        plan.constrain(split_k=3)
+        _launch.clear_launch_cache()
+        calls = record_launches(monkeypatch, "m_grouped")
+        yield
+        for _, spec in calls:
+            assert _launch._m_launch(*spec).meta["SPLIT_K"] == 3, spec
+
+
 class TestMGroupedTritonRegisterStore(MGroupedTest):
     """Every tile stored from registers (constrain(tma_store=False), and every out no descriptor fits)."""
 
@@ -343,7 +390,8 @@ def half_tile_launches(monkeypatch, tma: bool) -> tuple:
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["transpose_w", "k-major"])
 @pytest.mark.parametrize("tma", [False, True], ids=["cp-async", "tma-load"])
-def test_mixed_m_half_tiles_match_full_tiles(monkeypatch, layout, tma):
+@pytest.mark.parametrize("K,N", [(96, 80), (88, 72)], ids=["16-element-rows", "16-byte-rows"])
+def test_mixed_m_half_tiles_match_full_tiles(monkeypatch, layout, tma, K, N):
     """Groups whose last row tile has 1, BLOCK_M / 2 - 1, BLOCK_M / 2 (half-high tiles), BLOCK_M / 2 + 1
     and BLOCK_M - 1 rows (full tiles), an empty group and one hot expert: the same out with mixed tile
     heights as with every tile full height, and the launch must have had them on. On a GPU the two agree
@@ -352,10 +400,10 @@ def test_mixed_m_half_tiles_match_full_tiles(monkeypatch, layout, tma):
 
     target, _, default, calls = half_tile_launches(monkeypatch, tma)
     block_m = default.block_m
-    assert m_grouped.mixed_m_fits(block_m, 96, 80, target == "interpret"), default
+    assert m_grouped.mixed_m_fits(block_m, K, N, target == "interpret"), default
     half = block_m // 2
     sizes = [block_m + 1, 0, half - 1, block_m + half, 2 * block_m + half + 1, block_m - 1, 3 * block_m]
-    M, K, N = sum(sizes) + 5, 96, 80  # 16-element rows: mixed_m_fits
+    M = sum(sizes) + 5
     x, w = make_inputs(M, K, N, len(sizes), torch.bfloat16, layout, seed=3)
     b = (torch.randn(len(sizes), N) + 3).to(dtype=torch.bfloat16, device=DEVICE)
     gs = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
@@ -381,7 +429,8 @@ def m_tiles_total(sizes: list[int], M: int, block_m: int, n_tiles: int) -> int:
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["transpose_w", "k-major"])
 @pytest.mark.parametrize("tma", [False, True], ids=["cp-async", "tma-load"])
-def test_tail_split_halves_match_whole_tiles(monkeypatch, layout, tma):
+@pytest.mark.parametrize("K,N", [(96, 80), (88, 72)], ids=["16-element-rows", "16-byte-rows"])
+def test_tail_split_halves_match_whole_tiles(monkeypatch, layout, tma, K, N):
     """TAIL_SPLIT: the last, partial round's tiles run as two half-high halves each. The programs count is
     set so that round holds (by column tiles) the unowned rows' zero tile; also a group's 1-row last tile;
     also a full tile and a group's BLOCK_M / 2 - 1-row last tile (an empty lower half); and, on a launch of
@@ -393,7 +442,6 @@ def test_tail_split_halves_match_whole_tiles(monkeypatch, layout, tma):
 
     target, device_name, default, calls = half_tile_launches(monkeypatch, tma)
     bm, half = default.block_m, default.block_m // 2
-    K, N = 96, 80  # 16-element rows: half_tiles_fit
     n_tiles = -(-N // default.block_n)
     rounds = [3 * bm, bm - 1, 2 * bm + half + 1, bm + half, half - 1, 0, bm + 1]
     sparse = [0, half - 1, 0, 0, bm - 1, 0, 0, 0]
@@ -500,23 +548,28 @@ def test_mixed_m_rule():
 
     assert mixed(big, 2048, 1408) and mixed(big, limit // 16 * 16, 16)
     assert not mixed(big, limit + 1, 1408) and not mixed(big, 4096, 1408)
-    assert not mixed(big, 2048, 1400) and not mixed(big, 31, 17) and not mixed(small, 2048, 1408)
+    assert mixed(big, 2048, 1400) and mixed(
+        big, 1000, 1400
+    )  # 16-byte rows (docs/design.md, 'Unaligned rows')
+    assert not mixed(big, 2048, 1402) and not mixed(big, 31, 17) and not mixed(small, 2048, 1408)
     assert not mixed(big, 2048, 1408, allowed=False)
     assert mixed(configs.MGroupedConfig(32, 32, 32), 31, 17, interpret=True)
 
 
 def test_mixed_m_needs_aligned_rows(monkeypatch):
-    """The PyTorch launcher allows half-high tiles only where x's, w's and out's rows are 16-element aligned:
-    an x view with 40-element rows (K = 32) launches without them, the same x contiguous with them."""
+    """The PyTorch launcher allows half-high tiles only where x's, w's and out's rows are 16-byte aligned with
+    unit inner strides: a column-major x launches without them; an x view with 36-element rows (72 bytes)
+    is staged into aligned rows and launches with them, as the same x contiguous does."""
     from moegemm._src.torch import launch as _launch
 
     plan.constrain(tma_load=False)
     calls = record_launches(monkeypatch, "m_grouped")
     _launch.clear_launch_cache()
-    wide = torch.randn(64, 40, device=DEVICE, dtype=torch.bfloat16)
+    wide = torch.randn(64, 36, device=DEVICE, dtype=torch.bfloat16)
     w = torch.randn(2, 16, 32, device=DEVICE, dtype=torch.bfloat16)
     gs = torch.tensor([30, 34], device=DEVICE)
-    for x, want_mixed in ((wide[:, :32], False), (wide[:, :32].contiguous(), True)):
+    column_major = wide[:, :32].T.contiguous().T
+    for x, want_mixed in ((column_major, False), (wide[:, :32], True), (wide[:, :32].contiguous(), True)):
         out = m_grouped_mm(x, w.mT, gs)
         assert_rel_close(out.cpu(), want(x, w.mT, [30, 34]), torch.bfloat16, what=f"x stride {x.stride()}")
         assert _launch._m_launch(*calls[-1][1]).meta["MIXED_M"] == want_mixed, x.stride()

@@ -12,7 +12,7 @@ from moegemm._src import configs, plan
 from moegemm._src.kernels import gluon_hopper, m_grouped
 
 SM90 = plan.Target("sm90", "", 132)
-TORCH = plan.Capabilities(host_descriptors=True, global_scratch=True, gluon=True)
+TORCH = plan.Capabilities(host_descriptors=True, global_scratch=True, gluon=True, workspace=True)
 needs_gluon = pytest.mark.skipif(not gluon_hopper.supported(), reason="this Triton has no Gluon Hopper API")
 
 
@@ -41,12 +41,16 @@ def test_jax_capabilities_never_take_tma_or_gluon(target, problem):
 
 
 def test_flop_thresholds_gate_tma():
-    """Below TMA_STORE_MIN_FLOPS / TMA_LOAD_MIN_FLOPS (2 M N K) the launch keeps the register store and
-    cp.async; at the threshold it takes them (the store where the config has room for its staging tile); a
-    constraint moves the threshold."""
+    """Below TMA_STORE_MIN_FLOPS / TMA_LOAD_MIN_FLOPS (``launch_work``) the launch keeps the register store
+    and cp.async; at the threshold it takes them (the store where the config has room for its staging tile); a
+    constraint moves the threshold. A store-bound launch (a short reduction, a large out) counts its bytes."""
     assert plan.TMA_STORE_MIN_FLOPS == plan.TMA_LOAD_MIN_FLOPS == 5e10
     at, N, K, G = 5000, 5000, 1000, 8
-    assert 2 * at * N * K == plan.TMA_STORE_MIN_FLOPS
+    assert plan.launch_work(at, N, K, G) == 2 * at * N * K == plan.TMA_STORE_MIN_FLOPS
+    # 2 M N K = 3.2e10, but 240 x 2 bytes x (M K + M N + G K N) = 7.6e10: out [15854, 9856] is 312 MB.
+    short = plan.plan(m_problem(15854, 9856, 104, 51), SM90, TORCH)
+    assert short.schedule.tma_load and plan.launch_work(15854, 9856, 104, 51) > 2 * 15854 * 9856 * 104
+    assert short.schedule.tma_store == m_grouped.tma_store_fits(short.config, 2), short.config
     below = plan.plan(m_problem(at - 1, N, K, G), SM90, TORCH)
     assert not (below.schedule.tma_store or below.schedule.tma_load or below.scratch), below.schedule
     on = plan.plan(m_problem(at, N, K, G), SM90, TORCH)
@@ -57,8 +61,8 @@ def test_flop_thresholds_gate_tma():
     forced = plan.Constraints(tma_store_min_flops=0, tma_load_min_flops=0)
     assert plan.plan(small, SM90, TORCH, forced).schedule.tma_load
     with plan.constrain(tma_store_min_flops=0, tma_load_min_flops=0):
-        assert plan.plan(small, SM90, TORCH).schedule.tma_load and plan.tma_candidate(1, 1, 1)
-    assert not plan.plan(small, SM90, TORCH).scratch and not plan.tma_candidate(64, 64, 64)
+        assert plan.plan(small, SM90, TORCH).schedule.tma_load and plan.tma_candidate(1, 1, 1, 1)
+    assert not plan.plan(small, SM90, TORCH).scratch and not plan.tma_candidate(64, 64, 64, 2)
 
 
 def test_tma_needs_layout_and_target():
@@ -233,3 +237,27 @@ def test_config_constraint_replaces_the_pick():
     assert plan.plan(m_problem(), SM90, TORCH, forced).config == small
     assert plan.plan(k_problem(), SM90, TORCH, forced).kernel == "k_grouped"
     assert seen[0] == "m_grouped" and seen[-1] == "k_grouped"
+
+
+def test_split_k_rule():
+    """Split-K where even one group holding every row leaves too few tiles for the GPU and the reduction is
+    long: a few tokens against K = 13312; not for a long M, a short K, a group offset, a launcher without a
+    workspace (JAX), or under constrain(split_k=False); an int forces the count."""
+    few = plan.plan(m_problem(43, 2176, 13312, 12), SM90, TORCH)
+    assert 2 <= few.schedule.split_k <= plan.SPLIT_K_MAX, few.schedule
+    assert not (
+        few.schedule.tma_store or few.schedule.mixed_m or few.schedule.tail_split or few.schedule.flat
+    )
+    assert plan.plan(m_problem(32768, 4096, 7168, 32), SM90, TORCH).schedule.split_k == 1
+    assert plan.plan(m_problem(43, 2176, 128, 12), SM90, TORCH).schedule.split_k == 1
+    assert plan.plan(m_problem(43, 2176, 13312, 12, g_total=96), SM90, TORCH).schedule.split_k == 1
+    assert plan.plan(m_problem(43, 2176, 13312, 12), SM90, plan.JAX).schedule.split_k == 1
+    assert (
+        plan.plan(
+            m_problem(43, 2176, 13312, 12), SM90, TORCH, plan.Constraints(split_k=False)
+        ).schedule.split_k
+        == 1
+    )
+    assert (
+        plan.plan(m_problem(4096, 64, 64, 2), SM90, TORCH, plan.Constraints(split_k=5)).schedule.split_k == 5
+    )

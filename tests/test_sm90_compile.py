@@ -41,3 +41,31 @@ def test_kernels_compile_for_sm90(tmp_path):
         assert 0 < r["shared"] <= SM90_MAX_SHARED, (name, r)
         # A config's CTAs per SM all fit (the TMA-store candidates' estimate is checked here).
         assert r["ctas_per_sm"] * (r["shared"] + 1024) <= SM90_SHARED_PER_SM, (name, r)
+
+
+def test_unaligned_rows_keep_wide_accesses(tmp_path):
+    """Rows of 1000 or 1400 bf16 are 16-byte aligned but not 16-element aligned: a launch on them must keep
+    16-byte asynchronous copies (8-byte for FP8 rows of 1000) and vector stores. With the strides, N and K as
+    runtime ints Triton knew their alignment only at multiples of 16 elements, and these launches loaded and
+    stored element by element, 3-10x slower than torch._grouped_mm on the H100 (docs/design.md,
+    'Compiled-in sizes'). Runs on both Triton legs (the Gluon-free kernels need no Gluon)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {
+        "TRITON_CACHE_DIR": str(tmp_path)
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "moegemm.testing.sm90", *sm90.UNALIGNED],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    compiled = {r["kernel"]: r for r in map(json.loads, result.stdout.splitlines())}
+    assert set(compiled) == set(sm90.UNALIGNED)
+    for name, r in compiled.items():
+        widest = 8 if "fp8" in name else 16  # an FP8 row of 1000 bytes is 8-byte aligned
+        copies = {k: v for k, v in r["loads"].items() if k.startswith("cp.async")}
+        assert copies == {f"cp.async-{widest}": copies.get(f"cp.async-{widest}", 0)} and copies, (name, r)
+        narrow = {k: v for k, v in r["loads"].items() if k in ("ld-8", "ld-16", "st-8", "st-16")}
+        assert not narrow, (name, r)
+        assert r["shared"] > 64 * 1024, (name, r)  # a multi-stage operand ring: the loads are pipelined

@@ -21,14 +21,17 @@ Rules, in the order ``plan`` applies them (docs/design.md, 'Launch plans', says 
   (operands through descriptors the kernel makes): on sm90 and the interpreter, where the launcher has
   global scratch (``Capabilities.global_scratch``; jax-triton 0.3.1 passes it as null), where the
   operands' layout takes a descriptor (``Problem.tma_store_layout`` / ``tma_load_layout``), and on
-  launches of at least ``TMA_STORE_MIN_FLOPS`` / ``TMA_LOAD_MIN_FLOPS`` (2 M N K): the scratch and the
+  launches of at least ``TMA_STORE_MIN_FLOPS`` / ``TMA_LOAD_MIN_FLOPS`` (``launch_work``): the scratch and the
   descriptors cost host time that only a longer launch hides. The kernels' launch descriptions then keep
   what their shared memory and tail rules allow (``m_grouped.tma_store_fits``, ``tma_load_fits``).
 - m-grouped schedule: mixed tile heights (``mixed_m``) and the split tail round (``tail_split``) where the
-  rows are 16-element aligned (``Problem.rows_aligned``), the flat loop (``flat``); their K limits and
+  rows are 16-byte aligned (``Problem.rows_aligned``), the flat loop (``flat``); their K limits and
   shared-memory fits are the kernel's (``m_grouped.MIXED_M_MAX_K``, ``FLAT_MAX_K``,
   ``FLAT_WHOLE_TILES_MAX_K``, ``half_tiles_fit``, ``flat_fits``), applied by ``MGroupedLaunch.make``, which
   only this module calls.
+- Split reduction (launchers with a workspace): m-grouped, where even one group holding every row leaves too
+  few tiles to fill the GPU and the reduction is long (``_split_k``); k-grouped, where its tiles leave the GPU
+  idle and the groups' rows are many (``_split_r``). It wins over the warp-specialized wgrad there.
 - Tile config: ``configs.pick_config`` (tuned cache, cost model, table default), without the TMA-only
   candidates where the launch takes no TMA loads; with a group offset (expert parallelism) the BF16 config
   is picked for the rows the local groups can expect.
@@ -103,6 +106,17 @@ TMA_STORE_MIN_FLOPS = 5e10
 # config loads through cp.async. Measured gain of the m-grouped loads, paired: +0.4-0.6% geomean over 34
 # fwd/dgrad case-ops, -1.4% to +6% per case (docs/design.md, 'TMA loads').
 TMA_LOAD_MIN_FLOPS = 5e10
+# Both gates weigh a launch's work, not only its FLOPs: max(2 M N K, BYTES_TO_FLOPS x the bytes of x, w and
+# out), so a store-bound launch (a short reduction writing a large out) takes the TMA store too. The H100 runs
+# about 240 bf16 FLOPs in the time it moves one byte of HBM (660 TF/s dense, 2.8 TB/s measured;
+# docs/design.md, 'TMA stores').
+BYTES_TO_FLOPS = 240
+
+
+def launch_work(M: int, N: int, K: int, G: int, itemsize: int = 2) -> float:
+    """The work the TMA gates weigh (above): both ops move x/a [M, K], dy/b [M, N] and w/out [G, K, N]."""
+    return max(2 * M * N * K, BYTES_TO_FLOPS * itemsize * (M * K + M * N + G * K * N))
+
 
 # ---------------------------------------------------------------- inputs
 
@@ -121,10 +135,11 @@ class Problem:
     max_stride: the largest row/column stride (None: contiguous).
     Layout facts the front end checked on its tensors: tma_store_layout (out takes a descriptor: N
     contiguous, 16-byte aligned row strides and base), tma_load_layout (the operands do, as the launchers
-    say), rows_aligned (x's, w's and out's rows 16-element aligned, unit inner strides: half-high tiles),
+    say), rows_aligned (x's, w's and out's rows 16-byte aligned, unit inner strides: half-high tiles),
     ws_layout (the warp-specialized kernels read and write this layout), row_strides and out_span (what the
     warp-specialized kernels' ``supported_problem`` checks). FP8: recipe ("tensorwise", "rowwise",
-    "blockwise"; None: not FP8) and fast_accum.
+    "blockwise"; None: not FP8) and fast_accum. load_pad: the front end staged the operands into rows
+    zero-padded to a multiple of this many elements (``stage_rows``; 1: none).
     """
 
     op: str
@@ -149,6 +164,7 @@ class Problem:
     out_span: int = 0
     recipe: str | None = None
     fast_accum: bool = False
+    load_pad: int = 1
 
     @property
     def flops(self) -> int:
@@ -172,11 +188,13 @@ class Capabilities:
     """What a front end's launcher can pass to a kernel. host_descriptors: TensorDescriptors made on the
     host (the warp-specialized wgrad's out); global_scratch: Triton's allocator for descriptors a kernel
     makes on the device (TMA loads and stores); gluon: Gluon kernels launch (this Triton has Gluon's Hopper
-    API). jax-triton 0.3.1 passes neither descriptors nor scratch (it passes the scratch pointer as null)."""
+    API); workspace: the split-K schedule (``split_k``). jax-triton 0.3.1 passes neither descriptors nor
+    scratch (it passes the scratch pointer as null)."""
 
     host_descriptors: bool = False
     global_scratch: bool = False
     gluon: bool = False
+    workspace: bool = False  # allocates a split-K launch's fp32 partials and runs the reduction after it
 
 
 JAX = Capabilities()
@@ -197,6 +215,8 @@ class Constraints:
     flat: bool | None = None  # the m-grouped flat loop
     ws_wgrad: bool | None = None  # the warp-specialized BF16/FP16 wgrad
     fp8_ws: bool | None = None  # the warp-specialized FP8 kernels
+    stage_rows: bool | None = None  # copy operands whose rows are not 16-byte aligned into padded ones
+    split_k: bool | int | None = None  # the split reduction (both ops); an int > 1 forces that many slices
     # A tile config in place of the pick: config(op, problem, target, picked) -> the config to use, op the
     # pick's table ("m_grouped", "k_grouped", "k_grouped_ws", "m_grouped_fp8_ws", "k_grouped_fp8_ws", or an
     # FP8 Triton table such as "m_grouped_fp8_fast"); for a warp-specialized op, picked None (and a None
@@ -225,6 +245,7 @@ class Schedule:
     flat: bool = False
     flat_whole_tiles: bool = False
     host_out_descriptor: bool = False
+    split_k: int = 1
 
 
 # Plan.kernel values.
@@ -276,8 +297,11 @@ def plan(
     if problem.op == M_GROUPED:
         return _plan_m(problem, target, capabilities, c)
     if problem.op == K_GROUPED:
+        triton_plan = _plan_k(problem, target, capabilities, c)
+        if triton_plan.schedule.split_k > 1:  # few tiles: the split rows win over any unsplit kernel
+            return triton_plan
         ws = _plan_k_ws(problem, target, capabilities, c)
-        return ws if ws is not None else _plan_k(problem, target, capabilities, c)
+        return ws if ws is not None else triton_plan
     raise ValueError(f"unknown op {problem.op!r}")
 
 
@@ -288,8 +312,9 @@ def _tma(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> tuple[boo
     store_min = TMA_STORE_MIN_FLOPS if c.tma_store_min_flops is None else c.tma_store_min_flops
     load_min = TMA_LOAD_MIN_FLOPS if c.tma_load_min_flops is None else c.tma_load_min_flops
     two_byte = p.dtype in ("bfloat16", "float16")
-    store = c.on("tma_store") and p.tma_store_layout and p.out_itemsize == 2 and p.flops >= store_min
-    load = c.on("tma_load") and p.tma_load_layout and two_byte and p.flops >= load_min and 0 < p.M < 2**31
+    work = launch_work(p.M, p.N, p.K, p.G)
+    store = c.on("tma_store") and p.tma_store_layout and p.out_itemsize == 2 and work >= store_min
+    load = c.on("tma_load") and p.tma_load_layout and two_byte and work >= load_min and 0 < p.M < 2**31
     if p.op == M_GROUPED:
         w_rows = p.N if p.w_k_contiguous else p.K
         load = load and p.K > 0 and p.G * w_rows < 2**31
@@ -328,10 +353,52 @@ def _pick(op: str, p: Problem, t: Target, c: Constraints, tma: bool):
     return _override(c, op, p, t, picked)
 
 
+# Split-K (m-grouped): where even with every row in one group the launch has too few tiles to fill the GPU
+# (a few tokens, or one hot expert, against a long reduction), each tile's reduction runs in slices on
+# several programs, whose fp32 partials a second kernel sums in order (docs/design.md, 'Split reduction').
+SPLIT_K_MAX = 8
+SPLIT_K_MIN_STEPS = 4  # BLOCK_K steps per slice at least
+SPLIT_K_MAX_BYTES = 1 << 28  # of the partials, split_k x M x N x 4
+
+
+def _split_k(p: Problem, t: Target, caps: Capabilities, c: Constraints, config) -> int:
+    """Slices per tile of an m-grouped launch (1: none). The tiles' lower bound, cdiv(M, BLOCK_M) x
+    cdiv(N, BLOCK_N) (every row in one group), is what the rule can count on: more groups only add tiles."""
+    if not (caps.workspace and p.g_total is None and p.M > 0 and c.split_k is not False):
+        return 1
+    if isinstance(c.split_k, int) and not isinstance(c.split_k, bool):
+        return c.split_k
+    k_steps = -(-p.K // config.block_k)
+    tiles = -(-p.M // config.block_m) * -(-p.N // config.block_n)
+    split = min(SPLIT_K_MAX, t.programs * config.ctas_per_sm // tiles, k_steps // SPLIT_K_MIN_STEPS)
+    while split > 1 and split * p.M * p.N * 4 > SPLIT_K_MAX_BYTES:
+        split -= 1
+    return split if split >= 2 else 1
+
+
+def _split_r(p: Problem, t: Target, caps: Capabilities, c: Constraints, config) -> int:
+    """Row slices per tile of a k-grouped launch (1: none): where its G x cdiv(K, BLOCK_K) x cdiv(N, BLOCK_N)
+    tiles leave the GPU idle and the groups' rows are many (a few experts' weight gradients over many
+    tokens). Not with accumulation, column sums or a group offset."""
+    if not (caps.workspace and p.g_total is None and p.M > 0 and c.split_k is not False):
+        return 1
+    if p.accumulate or p.a_colsum:
+        return 1
+    if isinstance(c.split_k, int) and not isinstance(c.split_k, bool):
+        return c.split_k
+    tiles = p.G * -(-p.K // config.block_k) * -(-p.N // config.block_n)
+    row_steps = p.M // max(p.G, 1) // config.block_r  # a group's BLOCK_R steps, on average
+    split = min(SPLIT_K_MAX, t.programs * config.ctas_per_sm // tiles, row_steps // SPLIT_K_MIN_STEPS)
+    while split > 1 and split * p.G * p.K * p.N * 4 > SPLIT_K_MAX_BYTES:
+        split -= 1
+    return split if split >= 2 else 1
+
+
 def _plan_m(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> Plan:
     tma_store, tma_load = _tma(p, t, caps, c)
     # The m-grouped TMA-only candidates were measured on forward launches (K-contiguous w) with TMA loads.
     config = _pick(M_GROUPED, p, t, c, tma_load and p.w_k_contiguous)
+    split_k = _split_k(p, t, caps, c, config)
     launch = MGroupedLaunch.make(
         p.M,
         p.N,
@@ -350,6 +417,8 @@ def _plan_m(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> Plan:
         mixed_m=c.on("mixed_m") and p.rows_aligned,
         tail_split=c.on("tail_split") and p.rows_aligned,
         flat=c.on("flat"),
+        load_pad=p.load_pad,
+        split_k=split_k,
     )
     meta = launch.meta
     schedule = Schedule(
@@ -359,6 +428,7 @@ def _plan_m(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> Plan:
         tail_split=meta["TAIL_SPLIT"],
         flat=meta["FLAT"],
         flat_whole_tiles=meta["FLAT_WHOLE_TILES"],
+        split_k=meta["SPLIT_K"],
     )
     return Plan("m_grouped", schedule, config, launch)
 
@@ -368,6 +438,7 @@ def _plan_k(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> Plan:
     # The k-grouped TMA-only candidates (flat 128 x 256) keep their staging tile without the TMA store too;
     # they are left out only where the launcher has no global scratch at all.
     config = _pick(K_GROUPED, p, t, c, caps.global_scratch)
+    split_r = _split_r(p, t, caps, c, config)
     launch = KGroupedLaunch.make(
         p.M,
         p.N,
@@ -385,9 +456,13 @@ def _plan_k(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> Plan:
         out_itemsize=p.out_itemsize,
         tma_store=tma_store,
         tma_load=tma_load,
+        load_pad=p.load_pad,
+        split_r=split_r,
     )
     meta = launch.meta
-    schedule = Schedule(tma_load=meta["TMA_LOAD"], tma_store=meta["TMA_STORE"], flat=meta["FLAT"])
+    schedule = Schedule(
+        tma_load=meta["TMA_LOAD"], tma_store=meta["TMA_STORE"], flat=meta["FLAT"], split_k=meta["SPLIT_R"]
+    )
     return Plan("k_grouped", schedule, config, launch)
 
 
@@ -525,6 +600,20 @@ def _plan_fp8_ws(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> P
     return Plan("k_grouped_fp8_ws", Schedule(), config, launch)
 
 
+def stage_rows(misaligned: bool, itemsize: int, constraints: Constraints | None = None) -> int:
+    """The load_pad of a BF16/FP16/FP32 launch (``Problem.load_pad``): where an operand the kernel reads along
+    a unit-stride axis has rows that are not 16-byte aligned (its extent, its row or group stride, or its
+    base; ``misaligned``, which the front end checks on its tensors), the front end copies every such
+    operand into rows zero-padded to ``16 // itemsize`` elements and the kernels read whole 16-byte vectors;
+    otherwise 1 (read as given). Element-wise loads of such rows ran the kernels 3-10x slower than aligned
+    ones on the H100; the copies cost one pass over the operands (docs/design.md, 'Unaligned rows').
+    ``Constraints.stage_rows`` False: never (an A/B benchmark's other arm)."""
+    c = _active if constraints is None else constraints
+    if not misaligned or not c.on("stage_rows") or itemsize >= 16:
+        return 1
+    return 16 // itemsize
+
+
 def quantize_config(target: Target) -> configs.QuantizeConfig:
     """The FP8 quantize kernels' config on ``target``."""
     return configs.pick_config("quantize_fp8", target.name)
@@ -533,10 +622,11 @@ def quantize_config(target: Target) -> configs.QuantizeConfig:
 # ---------------------------------------------------------------- per-call gate
 
 
-def tma_candidate(M: int, N: int, K: int) -> bool:
-    """Whether a launch of 2 M N K FLOPs may take a TMA path at all under the active constraints, so that a
-    front end checks its tensors' layout for descriptors (data pointers cost host time) only then."""
-    return 2 * M * N * K >= _tma_gate_flops
+def tma_candidate(M: int, N: int, K: int, G: int) -> bool:
+    """Whether a launch of ``launch_work(M, N, K, G)`` may take a TMA path at all under the active
+    constraints, so that a front end checks its tensors' layout for descriptors (data pointers cost host
+    time) only then."""
+    return launch_work(M, N, K, G) >= _tma_gate_flops
 
 
 # ---------------------------------------------------------------- constraints

@@ -112,6 +112,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     model.add_argument("--sms", type=int, default=132, help="SM count of the tuned device, for --fit-model")
     p.add_argument("--overhead", action="store_true", help="also measure host time per call on a tiny shape")
+    fz = p.add_argument_group("performance fuzz (moegemm.bench.fuzz; replaces --cases; --fp8: FP8)")
+    fz.add_argument("--fuzz", type=int, metavar="N", help="draw N shapes from --seed's fuzz distribution")
+    fz.add_argument(
+        "--fuzz-twins",
+        default="refused",
+        choices=["refused", "all"],
+        help="time the aligned twin only where it is the reference (torch refuses the shape), or always",
+    )
+    fz.add_argument("--fuzz-timing", default="quick", choices=["quick", "full"], help="timing budgets")
+    fz.add_argument("--fuzz-max-gib", type=float, default=6.0, help="redraw cases whose bytes exceed this")
+    fz.add_argument(
+        "--workers",
+        type=int,
+        help="processes that compile the fuzz's kernels before the timing (default min(16, CPUs); 0: none)",
+    )
     p.add_argument(
         "--ep",
         help="EP mode (moegemm.bench.ep): comma-separated EP degrees, e.g. 2,8; times moegemm-jax with "
@@ -197,6 +212,10 @@ def main(argv=None) -> int:
         raise SystemExit(f"--jagged-splits needs non-negative sizes, got {args.jagged_splits!r}")
     if args.tune and not (cuda and torch.cuda.get_device_capability(device) == (9, 0)):
         raise SystemExit("--tune writes sm90 configs and needs a Hopper (sm90) GPU")
+    if args.fuzz:
+        from moegemm.bench import fuzz
+
+        return fuzz.main(args, argv, env, device, console)
     if args.ep:
         from moegemm.bench import ep
 

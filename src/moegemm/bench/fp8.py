@@ -94,6 +94,42 @@ def _op_calls(op, fast, x_q, w_q, dy_q, gs, sizes):
     return fn, ref
 
 
+def inputs(case: shapes.Case, device: torch.device, seed: int = 0, split: str = "dirichlet"):
+    """(sizes, group_sizes on device, x [M, K], w [G, N, K], dy [M, N]) in bf16, seeded: the operands
+    every FP8 measurement quantizes."""
+    G, M, K, N = case.G, case.M, case.K, case.N
+    sizes = shapes.group_sizes(M, G, split=split, seed=seed)
+    gs = torch.tensor(sizes, dtype=torch.int32, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(M, K, device=device, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(G, N, K, device=device, generator=gen) * K**-0.5).to(torch.bfloat16)
+    dy = torch.randn(M, N, device=device, generator=gen).to(torch.bfloat16)
+    return sizes, gs, x, w, dy
+
+
+def scaled_grouped_mm_call(op, x, w, dy, sizes):
+    """(torch._scaled_grouped_mm's call, its fp32 reference) for fwd or dgrad: rowwise operands, fast
+    accumulation. Its FP8 operands need 16-byte rows (K and N multiples of 16); it raises otherwise."""
+    offs = torch.tensor(sizes, device=x.device).cumsum(0).to(torch.int32)
+    a = quantize_fp8(x if op == "fwd" else dy, "rowwise")
+    wq = quantize_fp8(w, "rowwise", transpose=op == "dgrad")
+    b = wq if op == "fwd" else wq.t()
+    a_data, b_data = a.data.contiguous(), b.data.contiguous()
+
+    def fn():
+        return torch._scaled_grouped_mm(
+            a_data,
+            b_data.transpose(-2, -1),
+            a.scale,
+            b.scale.contiguous(),
+            offs=offs,
+            out_dtype=torch.bfloat16,
+            use_fast_accum=True,
+        )
+
+    return fn, lambda: _grouped_ref(a.dequantize(), b.dequantize(), sizes)
+
+
 class Fp8Bench:
     def __init__(self, device: torch.device, cfg: timing.TimingConfig, seed: int = 0) -> None:
         self.device, self.cfg, self.seed = device, cfg, seed
@@ -105,13 +141,7 @@ class Fp8Bench:
         return timing.median_ms(fn, self.device, "events", self.cfg)
 
     def case(self, case: shapes.Case, ops, recipes) -> None:
-        G, M, K, N = case.G, case.M, case.K, case.N
-        sizes = shapes.group_sizes(M, G, seed=self.seed)
-        gs = torch.tensor(sizes, dtype=torch.int32, device=self.device)
-        gen = torch.Generator(device=self.device).manual_seed(self.seed)
-        x = torch.randn(M, K, device=self.device, generator=gen).to(torch.bfloat16)
-        w = (torch.randn(G, N, K, device=self.device, generator=gen) * K**-0.5).to(torch.bfloat16)
-        dy = torch.randn(M, N, device=self.device, generator=gen).to(torch.bfloat16)
+        sizes, gs, x, w, dy = inputs(case, self.device, self.seed)
         dense_rate = None if self.check_only else self.dense(case, ops)
         for op in ops:
             if not self.check_only:
@@ -188,24 +218,8 @@ class Fp8Bench:
     def scaled_grouped_mm(self, case, op, x, w, dy, sizes) -> None:
         row = Row(case.name, op, "torch._scaled_grouped_mm", "rowwise")
         try:
-            offs = torch.tensor(sizes, device=self.device).cumsum(0).to(torch.int32)
-            a = quantize_fp8(x if op == "fwd" else dy, "rowwise")
-            wq = quantize_fp8(w, "rowwise", transpose=op == "dgrad")
-            b = wq if op == "fwd" else wq.t()
-            a_data, b_data = a.data.contiguous(), b.data.contiguous()
-
-            def fn():
-                return torch._scaled_grouped_mm(
-                    a_data,
-                    b_data.transpose(-2, -1),
-                    a.scale,
-                    b.scale.contiguous(),
-                    offs=offs,
-                    out_dtype=torch.bfloat16,
-                    use_fast_accum=True,
-                )
-
-            row.relerr = relerr(fn().float(), _grouped_ref(a.dequantize(), b.dequantize(), sizes))
+            fn, ref = scaled_grouped_mm_call(op, x, w, dy, sizes)
+            row.relerr = relerr(fn().float(), ref())
             row.ms = self.time(fn)
             row.tflops = roofline.op_flops(case, op) / row.ms / 1e9
         except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
@@ -271,13 +285,7 @@ class Fp8Bench:
         from moegemm._src.fp8 import config_op as fp8_op
         from moegemm.bench import harness, tune
 
-        G, M, K, N = case.G, case.M, case.K, case.N
-        sizes = shapes.group_sizes(M, G, seed=self.seed)
-        gs = torch.tensor(sizes, dtype=torch.int32, device=self.device)
-        gen = torch.Generator(device=self.device).manual_seed(self.seed)
-        x = torch.randn(M, K, device=self.device, generator=gen).to(torch.bfloat16)
-        w = (torch.randn(G, N, K, device=self.device, generator=gen) * K**-0.5).to(torch.bfloat16)
-        dy = torch.randn(M, N, device=self.device, generator=gen).to(torch.bfloat16)
+        sizes, gs, x, w, dy = inputs(case, self.device, self.seed)
         winners = {}
         for recipe in recipes:
             x_q = quantize_fp8(x, recipe, group_sizes=gs, transpose=True)

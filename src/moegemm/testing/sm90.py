@@ -8,7 +8,7 @@ only on a user's H100. This runs Triton's compiler for
 ``GPUTarget("cuda", 90, 32)`` down to a cubin, then the bundled ptxas with ``-v`` for the spill count
 (None where that ptxas does not take the PTX version Triton wrote).
 
-    python -m moegemm.testing.sm90 [kernel ...]    # one JSON line per kernel
+    python -m moegemm.testing.sm90 [kernel ...]    # one JSON line per kernel (KERNELS, or UNALIGNED by name)
 
 Run it in a process without TRITON_INTERPRET: under the interpreter the @triton.jit helpers the
 Gluon kernels call are interpreted functions, which the compiler refuses.
@@ -34,12 +34,13 @@ from moegemm._src.kernels import (
     k_grouped_fp8_ws,
     k_grouped_ws,
     m_grouped,
+    m_grouped_fp8,
     m_grouped_fp8_ws,
 )
 from moegemm._src.kernels.gluon_hopper import TensorDescriptor, gl
 from moegemm._src.kernels.schedule import sm90_shared_fits
 
-__all__ = ["KERNELS", "compile_kernel", "compile_source"]
+__all__ = ["KERNELS", "UNALIGNED", "compile_kernel", "compile_source", "load_widths"]
 
 # A realistic specialization per kernel: (G, M, N, K) of dsv3-ep8-fc1 and the default configs.
 G, M, N, K = 32, 32768, 4096, 7168
@@ -105,7 +106,7 @@ def _m_grouped(
     """The BF16 forward (the nn.Linear weight read K-contiguous) or dgrad (N-contiguous), with bias (the
     default config unless given); ``mixed_m``: with half-high tail tiles (at a K that has them);
     ``tail_split``: with the last round's tiles split in half-high halves where the config has them (as
-    every launch with 16-element aligned rows)."""
+    every launch with 16-byte aligned rows)."""
     config = config or configs.candidates("m_grouped", "sm90")[0]
     launch = m_grouped.MGroupedLaunch.make(
         M, N, K, G, config=config, num_programs_cap=132, fp32_inputs=False, interpret=False,
@@ -134,6 +135,85 @@ def _m_grouped(
     )  # fmt: skip
     meta = {**launch.meta, "ctas_per_sm": config.ctas_per_sm}
     return m_grouped.m_grouped_mm_kernel, meta, pointers, values
+
+
+def _unaligned(op: str, K: int, N: int, dtype: str = "bf16"):
+    """A launch on rows that are 16-byte aligned but not 16-element aligned (K, N such as 1000, 1400, as
+    real layers and tensor-parallel shards have), with the strides a contiguous launch passes: its operand
+    loads must stay 16-byte wide (``load_widths``; docs/design.md, 'Compiled-in sizes'). op: "fwd" (x @ w.mT,
+    K-contiguous w), "dgrad" (N-contiguous w), "wgrad" (k-grouped, out [G, K, N] = a^T b), "fwd_fp8" (the
+    Triton FP8 kernel, rowwise)."""
+    g, m = 8, 4096
+    if op == "wgrad":
+        config = configs.candidates("k_grouped", "sm90")[0]
+        launch = k_grouped.KGroupedLaunch.make(
+            m, N, K, g, config=config, num_programs_cap=132, fp32_inputs=False, accumulate=False,
+            interpret=False, out_itemsize=2,
+        )  # fmt: skip
+        pointers = {
+            "a_ptr": "*bf16", "b_ptr": "*bf16", "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32",
+            "c_ptr": "*bf16", "a_colsum_ptr": "*bf16", "out_ptr": "*bf16",
+        }  # fmt: skip
+        values = dict(
+            M=m, N=N, K=K, G=g, G_TOTAL=g, stride_am=K, stride_ak=1, stride_bm=N, stride_bn=1, stride_og=N * K,
+            stride_ok=N, stride_on=1, stride_sg=0, stride_sk=0,
+        )  # fmt: skip
+        return k_grouped.k_grouped_mm_kernel, dict(launch.meta), pointers, values
+    w_strides = dict(stride_wk=1, stride_wn=K) if op != "dgrad" else dict(stride_wk=N, stride_wn=1)
+    values = dict(
+        M=m, N=N, K=K, G=g, G_TOTAL=g, stride_xm=K, stride_xk=1, stride_wg=N * K, **w_strides, stride_om=N,
+        stride_on=1, stride_bg=0, stride_bn=0,
+    )  # fmt: skip
+    if op == "fwd_fp8":
+        config = configs.candidates("m_grouped_fp8_fast", "sm90")[0]
+        launch = m_grouped_fp8.MGroupedFp8Launch.make(
+            m, N, K, g, recipe="rowwise", config=config, num_programs_cap=132, interpret=False,
+            max_stride=max(K, N), has_bias=False, fast_accum=True,
+        )  # fmt: skip
+        pointers = {
+            "x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "sx_ptr": "*fp32", "sw_ptr": "*fp32",
+            "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+        }  # fmt: skip
+        values |= dict(stride_sxg=0, stride_sxm=1, stride_sxk=0, stride_swg=N, stride_swn=1, stride_swk=0)
+        return m_grouped_fp8.m_grouped_mm_fp8_kernel, dict(launch.meta), pointers, values
+    config = configs.candidates("m_grouped", "sm90")[0]
+    launch = m_grouped.MGroupedLaunch.make(
+        m, N, K, g, config=config, num_programs_cap=132, fp32_inputs=False, interpret=False,
+        w_k_contiguous=op == "fwd",
+    )  # fmt: skip
+    pointers = {
+        "x_ptr": "*bf16", "w_ptr": "*bf16", "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32",
+        "bias_ptr": "*bf16", "out_ptr": "*bf16",
+    }  # fmt: skip
+    return m_grouped.m_grouped_mm_kernel, dict(launch.meta), pointers, values
+
+
+# Launches on 16-byte but not 16-element aligned rows, whose loads ``load_widths`` checks.
+UNALIGNED = {
+    f"unaligned-{op}-{K}-{N}": (lambda op=op, K=K, N=N: _unaligned(op, K, N))
+    for op, K, N in (
+        ("fwd", 1000, 1400),
+        ("dgrad", 1400, 1000),
+        ("wgrad", 1000, 1400),
+        ("fwd", 1024, 1400),
+        ("fwd_fp8", 1000, 1400),
+    )
+}
+
+
+def load_widths(ptx: str) -> dict[str, int]:
+    """Global memory accesses of a kernel's PTX by width: ``cp.async-<bytes>`` (asynchronous copies into
+    shared memory, what the software pipeliner issues), ``ld-<bits>`` and ``st-<bits>`` (loads into and stores
+    from registers, vector width times element bits)."""
+    counts: dict[str, int] = {}
+    copy = r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)?\s*\[[^]]*\],\s*\[[^]]*\],\s*(0x[0-9a-f]+|\d+)"
+    for size in re.findall(copy, ptx):
+        key = f"cp.async-{int(size, 0)}"
+        counts[key] = counts.get(key, 0) + 1
+    for kind, vec, bits in re.findall(r"(ld|st)\.global(?:\.[a-z_:0-9]+)*?(?:\.v(\d))?\.[bsuf](\d+)\s", ptx):
+        key = f"{kind}-{int(vec or 1) * int(bits)}"
+        counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def _k_grouped(
@@ -261,10 +341,11 @@ KERNELS = {
 def compile_kernel(name: str) -> dict:
     """{"kernel", "shared" (bytes), "ctas_per_sm", "spill_bytes" (None if unknown)} of one KERNELS entry, compiled for
     sm_90a (``compile_source``)."""
-    fn, meta, pointers, *values = KERNELS[name]()
+    fn, meta, pointers, *values = {**KERNELS, **UNALIGNED}[name]()
     compiled = compile_source(fn, meta, pointers, values[0] if values else None)
     return {
         "kernel": name,
+        "loads": load_widths(compiled.asm["ptx"]),
         "shared": compiled.metadata.shared,
         "ctas_per_sm": meta.get("ctas_per_sm", 1),
         "spill_bytes": _spills(compiled.asm["ptx"]),

@@ -131,7 +131,7 @@ def m_grouped_mm_call(
         stride_wg, stride_wk, stride_wn = K * N, N, 1
     g_total = None if group_offset is None else group_sizes.shape[0]  # None: no offset
     G_total = G if g_total is None else g_total
-    # JAX arrays are contiguous: every row is 16-element aligned where K and N are, which the kernel's
+    # JAX arrays are contiguous: every row is 16-byte aligned where K and N are, which the kernel's
     # half_tiles_fit checks on the GPU (the interpreter runs half-high tiles on any shape).
     problem = plan.Problem(
         plan.M_GROUPED,

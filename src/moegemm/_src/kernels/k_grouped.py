@@ -120,10 +120,11 @@ def _out_desc(out_ptr, G, K, N, stride_og, stride_ok, BLOCK_K: tl.constexpr, BLO
 
 @triton.jit
 def k_grouped_mm_kernel(
-    # Pointer order as in m_grouped_mm_kernel. The strides are constexprs for every caller: fixed
-    # per layer, and compiled in they took compute-bound wgrad from 488 to 572 TF/s (dsv3 fc1) and
-    # 519 to 650 (mixtral) on the H100 (docs/design.md, 'Compiled-in sizes'). Sizes stay runtime ints for
-    # PyTorch (jax-triton passes them as constexprs too).
+    # Pointer order as in m_grouped_mm_kernel. The strides, N and K are constexprs for every caller: fixed
+    # per layer, and compiled in the strides took compute-bound wgrad from 488 to 572 TF/s (dsv3 fc1) and
+    # 519 to 650 (mixtral) on the H100; a runtime N or K off a multiple of 16 leaves the K and N masks
+    # without a known constancy, so the loads they guard went element by element (docs/design.md,
+    # 'Compiled-in sizes'). M and G stay runtime ints for PyTorch (jax-triton passes them as constexprs too).
     a_ptr,
     b_ptr,
     group_sizes_ptr,
@@ -132,8 +133,8 @@ def k_grouped_mm_kernel(
     a_colsum_ptr,
     out_ptr,
     M,
-    N,
-    K,
+    N: tl.constexpr,
+    K: tl.constexpr,
     G,
     G_TOTAL,  # entries of group_sizes (G without a group offset)
     stride_am: tl.constexpr,
@@ -154,12 +155,18 @@ def k_grouped_mm_kernel(
     BLOCK_G_TOTAL: tl.constexpr,
     HAS_GROUP_OFFSET: tl.constexpr,
     A_K_CONTIGUOUS: tl.constexpr,  # stride_ak == 1: a is row-major
+    # Elements the launcher zero-padded a's K and b's N to (1: none; 16 bytes' worth where it staged rows
+    # that were not 16-byte aligned: docs/design.md, 'Unaligned rows').
+    LOAD_PAD: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,
     ACCUMULATE: tl.constexpr,  # out = c + a^T b instead of a^T b
     A_COLSUM: tl.constexpr,  # also write a_colsum[g] = sum(a[rows(g)], 0) (fresh, never accumulated)
     FLAT: tl.constexpr,  # one flat loop over all steps of all tiles (next tile's loads overlap the store)
     TMA_STORE: tl.constexpr,  # store finished tiles through _out_desc (bulk async copies), 2-byte out only
     TMA_LOAD: tl.constexpr,  # FLAT only: load a and b through TMA descriptors made on the device per group
+    # >1 (nested loop, no accumulation, column sums or TMA store): each tile's rows in SPLIT_R slices, each one
+    # work item storing its fp32 partial into out, then [SPLIT_R, G, K, N] (split_k.reduce_kernel sums them)
+    SPLIT_R: tl.constexpr,
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot is wrong on bf16 operands
     PRECISION: tl.constexpr,
 ):
@@ -183,12 +190,20 @@ def k_grouped_mm_kernel(
         offs_k = offs_k.to(tl.int64)
         offs_n = offs_n.to(tl.int64)
         offs_r = offs_r.to(tl.int64)
+    # The operand loads' masks along a's K and b's N stop at the padded extents (LOAD_PAD: the launcher staged
+    # a and b into zero-padded, 16-byte aligned rows), which Triton can prove constant over whole vectors;
+    # the stores' stop at K and N (docs/design.md, 'Unaligned rows'). a read K-major (A_K_CONTIGUOUS off) is
+    # never staged: its K masks run along rows.
+    K_COLS: tl.constexpr = (K + LOAD_PAD - 1) // LOAD_PAD * LOAD_PAD if A_K_CONTIGUOUS else K
+    N_COLS: tl.constexpr = (N + LOAD_PAD - 1) // LOAD_PAD * LOAD_PAD
     if A_K_CONTIGUOUS:  # row-major a: load [BLOCK_R, BLOCK_K] as stored, transpose in smem
         a_offs = offs_r[:, None] * stride_am + offs_k[None, :] * stride_ak
     else:
         a_offs = offs_k[:, None] * stride_ak + offs_r[None, :] * stride_am
     b_offs = offs_r[:, None] * stride_bm + offs_n[None, :] * stride_bn
-    if FLAT:
+    # N = 0 (column sums only) has no GEMM tile: its compiled-in tile count is 0, which the flat loop divides by
+    # (a launch on the H100 read out of bounds); the nested loop runs no iteration.
+    if FLAT and N > 0:
         # One flat loop over every reduction step of every tile this program owns, with the tile's
         # epilogue under an `if` at its last step: the software pipeliner then prefetches the next
         # tile's first rows while this tile is stored, instead of filling and draining the pipeline per
@@ -218,6 +233,8 @@ def k_grouped_mm_kernel(
         b_base = b_ptr
         k_mask = offs_k < 0
         col_mask = offs_n < 0
+        k_cols = k_mask
+        n_cols = col_mask
         if TMA_LOAD:
             # Descriptors over a [rows, K] and b [rows, N] that end at the group's last row: the copy engine
             # zero-fills the rows past it, so the last step needs no mask (the reduction must not see the
@@ -243,6 +260,8 @@ def k_grouped_mm_kernel(
                 rows_left = (row_end - row_start).to(tl.int32)
                 k_mask = offs_k < K - k_tile * BLOCK_K
                 col_mask = offs_n < N - n_tile * BLOCK_N
+                k_cols = offs_k < K_COLS - k_tile * BLOCK_K
+                n_cols = offs_n < N_COLS - n_tile * BLOCK_N
                 if TMA_LOAD:
                     if g != desc_g:
                         desc_g = g
@@ -274,8 +293,8 @@ def k_grouped_mm_kernel(
                     a_base + rows_done * stride_am + a_offs,
                     b_base + rows_done * stride_bm + b_offs,
                     r_mask,
-                    k_mask,
-                    col_mask,
+                    k_cols,
+                    n_cols,
                     acc,
                     A_K_CONTIGUOUS,
                     UPCAST,
@@ -305,26 +324,41 @@ def k_grouped_mm_kernel(
                 )
                 acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     else:
-        for tile in range(pid, G * tiles_per_group, NUM_PROGRAMS):
+        for item in range(pid, G * tiles_per_group * SPLIT_R, NUM_PROGRAMS):
+            tile = item
+            part_ptr = out_ptr
+            if SPLIT_R > 1:
+                # The slices of one tile are consecutive items (docs/design.md, 'Split reduction').
+                tile = item // SPLIT_R
+                split = item % SPLIT_R
+                part_ptr = out_ptr + split.to(tl.int64) * G * stride_og
             g = tile // tiles_per_group
             k_tile, n_tile = swizzle_tile(tile % tiles_per_group, k_tiles, n_tiles, GROUP_M)
             row_start = pick(starts, offs, g)
             row_end = pick(ends, offs, g)
+            rows_lo = row_start
+            rows_hi = row_end
+            if SPLIT_R > 1:  # this slice's rows: whole BLOCK_R steps of the group's, in order
+                chunk = tl.cdiv(tl.cdiv(row_end - row_start, SPLIT_R), BLOCK_R) * BLOCK_R
+                rows_lo = tl.minimum(row_start + split * chunk, row_end)
+                rows_hi = tl.minimum(rows_lo + chunk, row_end)
             k_mask = offs_k < K - k_tile * BLOCK_K
             col_mask = offs_n < N - n_tile * BLOCK_N
+            k_cols = offs_k < K_COLS - k_tile * BLOCK_K
+            n_cols = offs_n < N_COLS - n_tile * BLOCK_N
             # 64-bit scalar bases advanced from the loop variable (not loop-carried, so alignment facts
             # survive for cp.async pipelining); per-element offsets inside a tile stay 32-bit.
             a_base = a_ptr + row_start * stride_am + (k_tile * BLOCK_K).to(tl.int64) * stride_ak
             b_base = b_ptr + row_start * stride_bm + (n_tile * BLOCK_N).to(tl.int64) * stride_bn
             acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-            for r in range(row_start, row_end, BLOCK_R):
+            for r in range(rows_lo, rows_hi, BLOCK_R):
                 step = r - row_start
                 acc = _k_step(
                     a_base + step * stride_am + a_offs,
                     b_base + step * stride_bm + b_offs,
-                    offs_r < (row_end - r).to(tl.int32),  # int32 (M < 2**31, KGroupedLaunch.make)
-                    k_mask,
-                    col_mask,
+                    offs_r < (rows_hi - r).to(tl.int32),  # int32 (M < 2**31, KGroupedLaunch.make)
+                    k_cols,
+                    n_cols,
                     acc,
                     A_K_CONTIGUOUS,
                     UPCAST,
@@ -332,7 +366,7 @@ def k_grouped_mm_kernel(
                 )
             _k_epilogue(
                 c_ptr,
-                out_ptr,
+                part_ptr,
                 out_desc,
                 acc,
                 g,
@@ -422,6 +456,8 @@ class KGroupedLaunch:
         out_itemsize: int = 4,
         tma_store: bool = False,
         tma_load: bool = False,
+        load_pad: int = 1,
+        split_r: int = 1,
     ) -> KGroupedLaunch:
         """max_stride: the largest row/column stride of a, b and out[g] (default: contiguous, max(K, N)).
         a_k_contiguous: a's K stride is 1 (row-major a, the default for contiguous inputs).
@@ -439,14 +475,22 @@ class KGroupedLaunch:
         unit column stride, 16-byte aligned bases and row strides, an allocator for Triton's global
         scratch); used where the config asks for them (config.tma_load), with 2-byte inputs and the
         flat loop.
+        load_pad: a's K (row-major a) and b's N are zero-padded to a multiple of this many elements, with
+        16-byte aligned rows (the launcher staged them; ``plan.stage_rows``); 1: as given.
+        split_r: >1, each tile's rows in that many slices whose fp32 partials the kernel stores into out
+        [split_r, G, K, N] (a workspace; ``split_k.reduce_kernel`` sums them): the nested loop, without
+        accumulation, column sums, TMA store or group offset.
         """
+        if split_r > 1 and (accumulate or a_colsum or g_total is not None):
+            raise ValueError(f"split_r={split_r} takes no accumulation, column sums or group offset")
         if M >= 2**31:  # the kernel's row counts (masks, steps) are int32
             raise ValueError(f"k_grouped: a and b have M = {M} rows; the kernel takes fewer than 2**31")
         if tma_store and (accumulate or out_itemsize != 2):
             raise ValueError(
                 f"tma_store needs a 2-byte out without accumulation, got {out_itemsize=} {accumulate=}"
             )
-        flat = config.flat and out_itemsize <= 2
+        flat = config.flat and out_itemsize <= 2 and split_r == 1
+        tma_store = tma_store and split_r == 1
         tma_load = tma_load and config.tma_load and flat and a_k_contiguous and not fp32_inputs
         # The store's staging tile takes shared memory next to the operand ring; where that would cost
         # the config its CTAs per SM, the tile is stored from registers as before.
@@ -455,7 +499,7 @@ class KGroupedLaunch:
         k_tiles = triton.cdiv(K, config.block_k)
         tiles = G * k_tiles * (triton.cdiv(N, config.block_n) + (1 if a_colsum else 0))
         # num_programs_cap is one wave at one program per SM; a config may ask for several per SM.
-        num_programs = max(1, min(tiles, num_programs_cap * config.ctas_per_sm))
+        num_programs = max(1, min(tiles * split_r, num_programs_cap * config.ctas_per_sm))
         # The flat loop counts a program's steps in int32: at most cdiv(tiles of a group, programs) tiles of
         # each group, whose steps add up to cdiv(M, BLOCK_R) + G over the groups.
         tiles_per_group = k_tiles * triton.cdiv(N, config.block_n)
@@ -475,12 +519,14 @@ class KGroupedLaunch:
             BLOCK_G_TOTAL=max(16, triton.next_power_of_2(G if g_total is None else g_total)),
             HAS_GROUP_OFFSET=g_total is not None,
             A_K_CONTIGUOUS=a_k_contiguous,
+            LOAD_PAD=load_pad,
             WIDE_OFFSETS=2 * max(config.block_k, config.block_n, config.block_r) * max_stride >= 2**31,
             ACCUMULATE=accumulate,
             A_COLSUM=a_colsum,
             FLAT=flat,
             TMA_STORE=tma_store,
             TMA_LOAD=tma_load,
+            SPLIT_R=split_r,
             UPCAST=interpret,
             PRECISION="ieee" if fp32_inputs or interpret else "tf32",
             num_warps=config.num_warps,

@@ -42,11 +42,12 @@ from moegemm._src.kernels.schedule import (
 
 @triton.jit
 def _m_epilogue(
-    acc, bias_ptr, out_desc, out_ptr, g, row0, row_end, col0, N: tl.constexpr, G: tl.constexpr, stride_om, stride_on,
+    acc, bias_ptr, out_desc, out_ptr, g, row0, row_end, col0, N: tl.constexpr, bias_end, stride_om, stride_on,
     stride_bg, stride_bn, BM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
     TMA_STORE: tl.constexpr,
 ):  # fmt: skip
-    """Adds bias[g] to a BM x BLOCK_N fp32 tile (g < G) and stores its rows below row_end (``_m_tile`` says which
+    """Adds bias[g] to a BM x BLOCK_N fp32 tile (g < bias_end: G, or 0 for a split-K partial other than the
+    first) and stores its rows below row_end (``_m_tile`` says which
     rows it holds): with TMA_STORE in one bulk copy through ``_clipped_out_desc``'s view (out_desc), which runs
     under the next tile's main loop, else from registers with a mask."""
     offs_m = tl.arange(0, BM)
@@ -61,7 +62,7 @@ def _m_epilogue(
         # The unowned slots (g >= G) read no bias and its rows stay 0: its column bound folds to 0. A
         # scalar condition and-ed into a block mask is rejected by triton 3.9's interpreter
         # ("mask has unsupported dtype"), so the condition goes into the bound instead.
-        bias_cols = tl.where(g < G, N - col0, 0)
+        bias_cols = tl.where(g < bias_end, N - col0, 0)
         bias_base = bias_ptr + g.to(tl.int64) * stride_bg + col0.to(tl.int64) * stride_bn
         bias = tl.load(bias_base + offs_n * stride_bn, mask=offs_n < bias_cols, other=0.0)
         acc += bias.to(tl.float32)[None, :]
@@ -111,6 +112,9 @@ def _m_tile(
     row0,
     row_end,
     col0,
+    k_begin,  # the reduction steps [k_begin, k_end) of BLOCK_K (a split-K partial's share; none for g >= G)
+    k_end,
+    bias_end,  # bias[g] is added where g < bias_end (_m_epilogue)
     N: tl.constexpr,
     K: tl.constexpr,
     G: tl.constexpr,
@@ -127,6 +131,7 @@ def _m_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    LOAD_PAD: tl.constexpr,
     W_K_CONTIGUOUS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,
@@ -145,12 +150,18 @@ def _m_tile(
         offs_n = offs_n.to(tl.int64)
         offs_k = offs_k.to(tl.int64)
     row_mask = offs_m < row_end - row0  # row0 is int64
-    col_mask = offs_n < N - col0
+    # The masks along an operand's contiguous axis stop at its padded extent (LOAD_PAD: the launcher staged
+    # x and w into zero-padded, 16-byte aligned rows), which Triton can prove constant over whole 16-byte
+    # vectors; the masks along rows stop at the true extent (docs/design.md, 'Unaligned rows').
+    K_COLS: tl.constexpr = (K + LOAD_PAD - 1) // LOAD_PAD * LOAD_PAD
+    N_COLS: tl.constexpr = (N + LOAD_PAD - 1) // LOAD_PAD * LOAD_PAD
+    if W_K_CONTIGUOUS:
+        col_mask = offs_n < N - col0
+    else:
+        col_mask = offs_n < N_COLS - col0
     # 64-bit scalar tile origins (here and in _m_epilogue); per-element offsets stay 32-bit (WIDE_OFFSETS
     # when they can't), which keeps the pointer tensors out of the register budget of the accumulator.
     acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
-    # The unowned slots (g >= G) run no reduction steps: their rows are stored as zeros.
-    k_steps = tl.where(g < G, tl.cdiv(K, BLOCK_K), 0)
     x_base = x_ptr + row0 * stride_xm
     w_base = w_ptr + g.to(tl.int64) * stride_wg + col0.to(tl.int64) * stride_wn
     x_offs = offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
@@ -160,7 +171,7 @@ def _m_tile(
         w_offs = offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
     # The bases stay loop-invariant and the step enters the offsets: a loop-carried scalar pointer
     # loses its alignment facts, which stops Triton from pipelining the loads with cp.async.
-    for k in range(0, k_steps):
+    for k in range(k_begin, k_end):
         if TMA_LOAD:
             a = x_desc.load([row0.to(tl.int32), k * BLOCK_K])
             if W_K_CONTIGUOUS:
@@ -169,17 +180,18 @@ def _m_tile(
                 b = w_desc.load([(g * K + k * BLOCK_K).to(tl.int32), col0.to(tl.int32)])
         else:
             k_mask = offs_k < K - k * BLOCK_K
+            k_cols = offs_k < K_COLS - k * BLOCK_K
             x_ptrs = x_base + (x_offs + k * BLOCK_K * stride_xk)
             w_ptrs = w_base + (w_offs + k * BLOCK_K * stride_wk)
             if EVEN_K:
                 a = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
             else:
-                a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                a = tl.load(x_ptrs, mask=row_mask[:, None] & k_cols[None, :], other=0.0)
             if W_K_CONTIGUOUS:
                 if EVEN_K:
                     b = tl.trans(tl.load(w_ptrs, mask=col_mask[:, None], other=0.0))
                 else:
-                    b = tl.trans(tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0))
+                    b = tl.trans(tl.load(w_ptrs, mask=col_mask[:, None] & k_cols[None, :], other=0.0))
             elif EVEN_K:
                 b = tl.load(w_ptrs, mask=col_mask[None, :], other=0.0)
             else:
@@ -189,8 +201,8 @@ def _m_tile(
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     _m_epilogue(
-        acc, bias_ptr, out_desc, out_ptr, g, row0, row_end, col0, N, G, stride_om, stride_on, stride_bg, stride_bn,
-        BM, BLOCK_N, HAS_BIAS, WIDE_OFFSETS, TMA_STORE,
+        acc, bias_ptr, out_desc, out_ptr, g, row0, row_end, col0, N, bias_end, stride_om, stride_on, stride_bg,
+        stride_bn, BM, BLOCK_N, HAS_BIAS, WIDE_OFFSETS, TMA_STORE,
     )  # fmt: skip
 
 
@@ -251,9 +263,11 @@ def _m_flat_loop(
 def m_grouped_mm_kernel(
     # Pointers first, the output last among them; sizes and strides follow so that jax-triton can
     # pass them all as constexprs (its runtime int scalars carry no divisibility facts, which would
-    # disable vectorized, pipelined loads). N, K and G are constexprs for every caller: fixed per
-    # layer, and compiled in they gave +3-6% on compute-bound shapes (docs/design.md, 'Compiled-in sizes'). M,
-    # the token count, stays a runtime int, so batch sizes share a compiled kernel.
+    # disable vectorized, pipelined loads). N, K, G and the strides are constexprs for every caller: fixed
+    # per layer, and compiled in they gave +3-6% on compute-bound shapes; a runtime stride's alignment is
+    # known only when it is a multiple of 16 elements, so a row of 1000 or 1400 bf16 (16-byte aligned) was
+    # loaded element by element, 3-10x slower (docs/design.md, 'Compiled-in sizes'). M, the token count,
+    # stays a runtime int, so batch sizes share a compiled kernel.
     x_ptr,
     w_ptr,
     group_sizes_ptr,
@@ -265,15 +279,15 @@ def m_grouped_mm_kernel(
     K: tl.constexpr,
     G: tl.constexpr,
     G_TOTAL: tl.constexpr,  # entries of group_sizes (G without a group offset)
-    stride_xm,
-    stride_xk,
-    stride_wg,
-    stride_wk,
-    stride_wn,
-    stride_om,
-    stride_on,
-    stride_bg,
-    stride_bn,
+    stride_xm: tl.constexpr,
+    stride_xk: tl.constexpr,
+    stride_wg: tl.constexpr,
+    stride_wk: tl.constexpr,
+    stride_wn: tl.constexpr,
+    stride_om: tl.constexpr,
+    stride_on: tl.constexpr,
+    stride_bg: tl.constexpr,
+    stride_bn: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -283,6 +297,9 @@ def m_grouped_mm_kernel(
     BLOCK_G_TOTAL: tl.constexpr,
     HAS_GROUP_OFFSET: tl.constexpr,
     EVEN_K: tl.constexpr,
+    # Elements the launcher zero-padded x's and w's contiguous axes to (1: none; 16 bytes' worth where it
+    # staged rows that were not 16-byte aligned: docs/design.md, 'Unaligned rows').
+    LOAD_PAD: tl.constexpr,
     W_K_CONTIGUOUS: tl.constexpr,  # stride_wk == 1, e.g. an nn.Linear weight [G, N, K] passed as w.mT
     HAS_BIAS: tl.constexpr,  # add bias[g] to every owned row; bias_ptr is not read otherwise
     WIDE_OFFSETS: tl.constexpr,
@@ -292,6 +309,9 @@ def m_grouped_mm_kernel(
     TAIL_SPLIT: tl.constexpr,  # the last, partial round's tiles run as two BLOCK_M // 2 high halves each
     FLAT: tl.constexpr,  # TMA_LOAD only: one loop over every step of the program's tiles (flat_fits)
     FLAT_WHOLE_TILES: tl.constexpr,  # the flat loop where every group's rows fill whole row tiles
+    # >1: every tile's reduction in SPLIT_K slices, each one work item storing its fp32 partial into out, then
+    # [SPLIT_K, M, N] (split_k.reduce_kernel sums them in order; docs/design.md, 'Split reduction')
+    SPLIT_K: tl.constexpr,
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot is wrong on bf16 operands
     PRECISION: tl.constexpr,
 ):
@@ -359,7 +379,22 @@ def m_grouped_mm_kernel(
         if 2 * tail <= NUM_PROGRAMS:
             full = total_tiles - tail
             n_work = total_tiles + tail
-    for work in range(pid, n_work, NUM_PROGRAMS):
+    K_STEPS: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    SPLIT_STEPS: tl.constexpr = (K_STEPS + SPLIT_K - 1) // SPLIT_K  # a split-K partial's reduction steps
+    for item in range(pid, n_work * SPLIT_K, NUM_PROGRAMS):
+        work = item
+        k_begin = 0
+        k_end = K_STEPS
+        bias_end = G
+        part_ptr = out_ptr
+        if SPLIT_K > 1:
+            # The slices of one tile are consecutive items, so programs running together read the same x rows.
+            work = item // SPLIT_K
+            split = item % SPLIT_K
+            k_begin = split * SPLIT_STEPS
+            k_end = tl.minimum(k_begin + SPLIT_STEPS, K_STEPS)
+            bias_end = tl.where(split == 0, G, 0)
+            part_ptr = out_ptr + split.to(tl.int64) * M * stride_om
         tile = work
         lower = False  # the second half of a split tile: rows [row0 + HALF_M, row0 + BLOCK_M)
         if TAIL_SPLIT:
@@ -369,6 +404,7 @@ def m_grouped_mm_kernel(
             tile, offs, starts, ends, m_tiles, tile_ends, n_tiles, BLOCK_M, GROUP_M
         )
         col0 = n_tile * BLOCK_N
+        k_end = tl.where(g < G, k_end, k_begin)  # the unowned slots run no steps: their rows are stored as 0
         if lower:
             row0 += HALF_M
         # A half-high tile: half of a split tail tile, or (MIXED_M, docs/design.md, 'Mixed tile heights') a
@@ -388,16 +424,16 @@ def m_grouped_mm_kernel(
         if half:
             if row0 < row_end:
                 _m_tile(
-                    x_ptr, w_ptr, x_desc_half, w_desc, bias_ptr, out_desc, out_ptr, g, row0, row_end, col0, N,
-                    K, G, stride_xm, stride_xk, stride_wg, stride_wk, stride_wn, stride_om, stride_on,
-                    stride_bg, stride_bn, HALF_M, BLOCK_N, BLOCK_K, EVEN_K, W_K_CONTIGUOUS, HAS_BIAS,
+                    x_ptr, w_ptr, x_desc_half, w_desc, bias_ptr, out_desc, part_ptr, g, row0, row_end, col0,
+                    k_begin, k_end, bias_end, N, K, G, stride_xm, stride_xk, stride_wg, stride_wk, stride_wn, stride_om, stride_on,
+                    stride_bg, stride_bn, HALF_M, BLOCK_N, BLOCK_K, EVEN_K, LOAD_PAD, W_K_CONTIGUOUS, HAS_BIAS,
                     WIDE_OFFSETS, False, TMA_LOAD, UPCAST, PRECISION,
                 )  # fmt: skip
         else:
             _m_tile(
-                x_ptr, w_ptr, x_desc, w_desc, bias_ptr, out_desc, out_ptr, g, row0, row_end, col0, N, K, G,
-                stride_xm, stride_xk, stride_wg, stride_wk, stride_wn, stride_om, stride_on, stride_bg,
-                stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_K_CONTIGUOUS, HAS_BIAS, WIDE_OFFSETS,
+                x_ptr, w_ptr, x_desc, w_desc, bias_ptr, out_desc, part_ptr, g, row0, row_end, col0, k_begin, k_end,
+                bias_end, N, K, G, stride_xm, stride_xk, stride_wg, stride_wk, stride_wn, stride_om, stride_on, stride_bg,
+                stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, LOAD_PAD, W_K_CONTIGUOUS, HAS_BIAS, WIDE_OFFSETS,
                 TMA_STORE, TMA_LOAD, UPCAST, PRECISION,
             )  # fmt: skip
         if HAS_GROUP_OFFSET and not lower:  # a split tile's zero tiles go with its first half
@@ -442,17 +478,18 @@ MIXED_M_MAX_K = 4095
 
 def half_tiles_fit(block_m: int, K: int, N: int, interpret: bool) -> bool:
     """Whether a launch may run BLOCK_M // 2 high tiles at all (MIXED_M, TAIL_SPLIT): on the GPU a 128-row
-    tile (its half, 64 rows, is the wgmma height of a warpgroup) with K and N multiples of 16 (the caller
-    also checks that x's, w's and out's rows are 16-element aligned); the interpreter any tile (its configs
+    tile (its half, 64 rows, is the wgmma height of a warpgroup) with K and N multiples of 8 (the caller
+    also checks that x's, w's and out's rows are 16-byte aligned); the interpreter any tile (its configs
     are 32 high), so that CI runs both paths.
 
     Why the alignment: with rows Triton cannot vectorize (K = 31, N = 17, bias, K-contiguous w) the H100
     computed wrong half-high tiles (docs/design.md, 'Mixed tile heights'; the interpreter was right, and so
-    was every 16-aligned shape the GPU tests run). Such rows also keep loads out of the software pipeline, so
-    the half-high tile would gain nothing there."""
+    was every aligned shape the GPU tests run). Such rows also keep loads out of the software pipeline, so
+    the half-high tile would gain nothing there. Rows of 16 bytes vectorize since the strides are compiled in
+    (docs/design.md, 'Compiled-in sizes')."""
     if interpret:
         return block_m >= 32
-    return block_m >= 128 and K % 16 == 0 and N % 16 == 0
+    return block_m >= 128 and K % 8 == 0 and N % 8 == 0
 
 
 # The longest reduction (K) on which launches with TMA loads take the flat loop (FLAT). Measured on the H100
@@ -535,6 +572,8 @@ class MGroupedLaunch:
         mixed_m: bool = False,
         tail_split: bool = False,
         flat: bool = False,
+        load_pad: int = 1,
+        split_k: int = 1,
     ) -> MGroupedLaunch:
         """max_stride: the largest row/column stride of x, w[g] and out (default: contiguous, max(K, N)).
         Element offsets inside one tile or one expert's K range are int32 unless they could overflow.
@@ -550,14 +589,23 @@ class MGroupedLaunch:
         K > 0, unit inner strides, 16-byte row strides and bases, w's groups back to back, int32 coordinates);
         used for 2-byte inputs where an N-contiguous w has K % BLOCK_K == 0 (``tma_load_fits``).
         mixed_m: a group's last row tile may run BLOCK_M // 2 high where at most that many rows are left (the
-        caller checked that x's, w's and out's rows are 16-element aligned); used where that measured faster
+        caller checked that x's, w's and out's rows are 16-byte aligned); used where that measured faster
         (``mixed_m_fits``).
         tail_split: the last, partial round of tiles may run as half-high halves on twice as many programs
         (same caller check as mixed_m; used where half-high tiles fit, ``half_tiles_fit``).
         flat: one loop over every step of the program's tiles (``plan.Constraints.flat``); used where ``flat_fits``, and
         then with neither mixed heights nor a split tail; where ``flat_whole_tiles_fits``, only if every group's
         rows fill whole row tiles (the kernel checks group_sizes), the per-tile loop otherwise.
+        load_pad: x's and w's contiguous axes are zero-padded to a multiple of this many elements, with
+        16-byte aligned rows (the launcher staged them; ``plan.stage_rows``); 1: as given.
+        split_k: >1, the reduction in that many slices whose fp32 partials the kernel stores into out [split_k,
+        M, N] (a workspace; ``split_k.reduce_kernel`` sums them): no TMA store, half-high tiles, flat loop or
+        group offset then.
         """
+        if split_k > 1 and g_total is not None:
+            raise ValueError(f"split_k={split_k} takes no group offset (g_total={g_total})")
+        if split_k > 1:
+            tma_store = mixed_m = tail_split = flat = False
         bm, bn = config.block_m, config.block_n
         in_itemsize = 4 if fp32_inputs else 2
         tma_load = tma_load and not fp32_inputs and tma_load_fits(K, config.block_k, w_k_contiguous)
@@ -569,7 +617,7 @@ class MGroupedLaunch:
         slots = G + 1 if g_total is None else G + 2
         max_tiles = (triton.cdiv(M, bm) + slots) * triton.cdiv(N, bn)
         # num_programs_cap is one wave at one program per SM; a config may ask for several per SM.
-        num_programs = max(1, min(max_tiles, num_programs_cap * config.ctas_per_sm))
+        num_programs = max(1, min(max_tiles * split_k, num_programs_cap * config.ctas_per_sm))
         meta = dict(
             NUM_PROGRAMS=num_programs,
             BLOCK_M=bm,
@@ -580,6 +628,7 @@ class MGroupedLaunch:
             BLOCK_G_TOTAL=max(16, triton.next_power_of_2(G if g_total is None else g_total)),
             HAS_GROUP_OFFSET=g_total is not None,
             EVEN_K=K % config.block_k == 0,
+            LOAD_PAD=load_pad,
             W_K_CONTIGUOUS=w_k_contiguous,
             HAS_BIAS=has_bias,
             WIDE_OFFSETS=2 * max(bm, bn, K + config.block_k) * max_stride >= 2**31,
@@ -589,6 +638,7 @@ class MGroupedLaunch:
             TAIL_SPLIT=tail_split and half_tiles_fit(bm, K, N, interpret) and not flat,
             FLAT=flat,
             FLAT_WHOLE_TILES=flat_whole_tiles,
+            SPLIT_K=split_k,
             UPCAST=interpret,
             PRECISION="ieee" if fp32_inputs or interpret else "tf32",
             num_warps=config.num_warps,

@@ -53,15 +53,16 @@ def m_grouped_mm_fp8_kernel(
     K: tl.constexpr,
     G: tl.constexpr,
     G_TOTAL: tl.constexpr,  # entries of group_sizes (G without a group offset)
-    stride_xm,
-    stride_xk,
-    stride_wg,
-    stride_wn,
-    stride_wk,
-    stride_om,
-    stride_on,
-    stride_bg,
-    stride_bn,
+    # The data strides are constexprs, as m_grouped_mm_kernel's (docs/design.md, 'Compiled-in sizes').
+    stride_xm: tl.constexpr,
+    stride_xk: tl.constexpr,
+    stride_wg: tl.constexpr,
+    stride_wn: tl.constexpr,
+    stride_wk: tl.constexpr,
+    stride_om: tl.constexpr,
+    stride_on: tl.constexpr,
+    stride_bg: tl.constexpr,
+    stride_bn: tl.constexpr,
     stride_sxg,  # TENSOR: per group of group_sizes (G_TOTAL entries), or 0 (one scale)
     stride_sxm,  # ROW, BLOCK
     stride_sxk,  # BLOCK

@@ -20,6 +20,8 @@ from triton.runtime import _allocation
 
 from moegemm._src import plan
 from moegemm._src.kernels import k_grouped_ws as k_ws
+from moegemm._src.kernels import split_k as split_k_kernels
+from moegemm._src.kernels import stage_rows
 from moegemm._src.kernels.gluon_hopper import TensorDescriptor
 from moegemm._src.kernels.k_grouped import k_grouped_mm_kernel
 from moegemm._src.kernels.m_grouped import m_grouped_mm_kernel
@@ -30,9 +32,10 @@ INTERPRET_PROGRAMS = plan.INTERPRET.programs
 # MOEGEMM_DIRECT_LAUNCH=0 sends every launch through JITFunction.run (plan.SWITCHES; read at import).
 DIRECT_LAUNCH = plan.SWITCHES.direct_launch
 # What this launcher passes (moegemm._src.plan.Capabilities): host descriptors, Triton's global scratch
-# (_ensure_allocator), Gluon kernels where this Triton has them (compiled launches only).
+# (_ensure_allocator), Gluon kernels where this Triton has them (compiled launches only), a workspace (the
+# split-K partials).
 CAPABILITIES = plan.Capabilities(
-    host_descriptors=True, global_scratch=True, gluon=k_ws.supported() and not INTERPRET
+    host_descriptors=True, global_scratch=True, gluon=k_ws.supported() and not INTERPRET, workspace=True
 )
 
 
@@ -57,11 +60,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 # memoized here on the spec DirectLaunch keys on; plan.constrain clears them (plan.on_change below).
 @functools.lru_cache(maxsize=4096)
 def _m_launch(
-    M, N, K, G, dtype, device, max_stride, w_k_contiguous, has_bias, tma_store, tma_load, rows_aligned=False
+    M, N, K, G, dtype, device, max_stride, w_k_contiguous, has_bias, tma_store, tma_load, rows_aligned=False,
+    load_pad=1,
 ) -> plan.Plan:  # fmt: skip
     """tma_store: out's layout takes a TMA descriptor; tma_load: x's and w's do (launch_m_grouped checks
-    both); rows_aligned: x's, w's and out's rows are 16-element aligned with unit inner strides (half-high
-    tiles may run). The plan decides what the launch takes."""
+    both); rows_aligned: x's, w's and out's rows are 16-byte aligned with unit inner strides (half-high
+    tiles may run); load_pad: x and w were staged into rows zero-padded to that many elements. The plan
+    decides what the launch takes."""
     problem = plan.Problem(
         plan.M_GROUPED,
         M,
@@ -75,6 +80,7 @@ def _m_launch(
         rows_aligned=rows_aligned,
         tma_store_layout=tma_store,
         tma_load_layout=tma_load,
+        load_pad=load_pad,
     )
     return plan.plan(problem, _target(device), CAPABILITIES)
 
@@ -99,9 +105,11 @@ def _k_launch(
     out_itemsize,
     tma_store,
     tma_load,
+    load_pad=1,
 ) -> plan.Plan:
     """The Triton kernel's plan. tma_store: out's layout takes a TMA descriptor; tma_load: a's and b's do
-    (launch_k_grouped checks both)."""
+    (launch_k_grouped checks both); load_pad: a and b were staged into rows zero-padded to that many
+    elements."""
     problem = plan.Problem(
         plan.K_GROUPED,
         M,
@@ -116,6 +124,7 @@ def _k_launch(
         a_colsum=a_colsum,
         tma_store_layout=tma_store,
         tma_load_layout=tma_load,
+        load_pad=load_pad,
     )
     return plan.plan(problem, _target(device), CAPABILITIES)
 
@@ -251,6 +260,8 @@ def _device_guard(device: torch.device):
 
 
 M_GROUPED = DirectLaunch(m_grouped_mm_kernel)
+STAGE_ROWS = DirectLaunch(stage_rows.stage_rows_kernel)
+SPLIT_REDUCE = DirectLaunch(split_k_kernels.reduce_kernel)
 K_GROUPED = DirectLaunch(k_grouped_mm_kernel)
 K_GROUPED_WS = DirectLaunch(k_ws.k_grouped_mm_ws_kernel, descriptors=True)
 
@@ -261,11 +272,104 @@ def clear_launch_cache() -> None:
     _k_launch.cache_clear()
     _k_ws_launch.cache_clear()
     M_GROUPED.clear()
+    STAGE_ROWS.clear()
+    SPLIT_REDUCE.clear()
     K_GROUPED.clear()
     K_GROUPED_WS.clear()
 
 
 plan.on_change(clear_launch_cache)
+
+
+def _unit_axis(t: torch.Tensor, axes: int = 1) -> int | None:
+    """The axis a kernel reads t's rows along: of t's last ``axes`` axes, the first from the end with stride 1
+    (None: none; x, a and b are read along their last axis only, w along either of its last two)."""
+    for axis in range(t.dim() - 1, t.dim() - 1 - axes, -1):
+        if t.shape[axis] > 0 and t.stride(axis) == 1:
+            return axis
+    return None
+
+
+def _misaligned(t: torch.Tensor, pad: int, axes: int = 1) -> bool:
+    """Whether t's rows along its unit-stride axis (``_unit_axis``) are not 16-byte aligned (``pad``
+    elements): the extent, an outer stride or the base (docs/design.md, 'Unaligned rows'). A tensor without
+    such an axis is read as it is."""
+    axis = _unit_axis(t, axes)
+    if axis is None:
+        return False
+    if t.shape[axis] % pad or t.data_ptr() % 16:
+        return True
+    return any(t.stride(d) % pad for d in range(t.dim()) if d != axis and t.shape[d] > 1)
+
+
+class _ReduceLaunch:
+    """The launch description of one split_k.reduce_kernel launch: R rows of N, grouped by group_rows (0:
+    none) into out's strides (group, row, column)."""
+
+    def __init__(self, R: int, N: int, group_rows: int, strides: tuple[int, int, int], split: int) -> None:
+        self.grid = split_k_kernels.grid(R, N)
+        self.meta = dict(
+            N=N,
+            GROUP_ROWS=group_rows,
+            stride_og=strides[0],
+            stride_or=strides[1],
+            stride_on=strides[2],
+            SPLIT=split,
+            BLOCK_R=split_k_kernels.BLOCK_R,
+            BLOCK_N=split_k_kernels.BLOCK_N,
+            num_warps=split_k_kernels.NUM_WARPS,
+        )
+
+
+def _reduce_splits(partials: torch.Tensor, out: torch.Tensor, group_rows: int, strides: tuple) -> None:
+    """out = partials.sum(0) in order, through split_k.reduce_kernel (partials [split, R, N] fp32)."""
+    split, R, N = partials.shape
+    SPLIT_REDUCE.launch(
+        ("reduce", R, N, group_rows, strides, split, out.dtype, out.device),
+        (partials, out),
+        (R,),
+        lambda: _ReduceLaunch(R, N, group_rows, strides, split),
+    )
+
+
+class _StageLaunch:
+    """The launch description of one stage_rows_kernel launch (what DirectLaunch's describe returns)."""
+
+    def __init__(self, rows: int, c: int, c_pad: int) -> None:
+        self.grid = stage_rows.grid(rows, c_pad)
+        self.meta = dict(
+            C=c,
+            C_PAD=c_pad,
+            BLOCK_R=stage_rows.BLOCK_R,
+            BLOCK_C=stage_rows.BLOCK_C,
+            num_warps=stage_rows.NUM_WARPS,
+        )
+
+
+def _staged(t: torch.Tensor, pad: int, axes: int = 1) -> torch.Tensor:
+    """t copied into rows zero-padded to a multiple of ``pad`` elements along its unit-stride axis (16-byte
+    aligned rows and base) by one stage_rows_kernel launch, returned as a view of t's shape (the padding lies
+    past each row's end, where the kernels' LOAD_PAD masks read it). An aligned t is returned as it is. The
+    outer axes are walked from t's sizes and strides: views of t would cost host time per call."""
+    if not _misaligned(t, pad, axes):
+        return t
+    axis = _unit_axis(t, axes)
+    shape, stride = t.shape, t.stride()
+    outer = [d for d in range(t.dim()) if d != axis]  # one or two axes: x, a, b [rows, C]; w [G, rows, C]
+    C = shape[axis]
+    c_pad = -(-C // pad) * pad
+    B, sb = (shape[outer[0]], stride[outer[0]]) if len(outer) == 2 else (1, 0)
+    R, sr = shape[outer[-1]], stride[outer[-1]]
+    buf = torch.empty(B * R * c_pad, dtype=t.dtype, device=t.device)
+    if B * R:
+        STAGE_ROWS.launch(
+            (C, c_pad, t.dtype, t.device), (t, buf), (B * R, R, sb, sr), lambda: _StageLaunch(B * R, C, c_pad)
+        )
+    view = [0] * t.dim()
+    view[axis], view[outer[-1]] = 1, c_pad
+    if len(outer) == 2:
+        view[outer[0]] = R * c_pad
+    return buf.as_strided(shape, view)
 
 
 def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = False) -> None:
@@ -275,21 +379,27 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
     transposed, without making the w.mT view: a view of a parameter costs several us of host time.
     """
     M, K = x.shape
+    N = w.shape[1] if transpose_w else w.shape[2]
+    if M == 0 or N == 0:
+        return
+    # Rows that are not 16-byte aligned are staged into padded ones (plan.stage_rows).
+    pad = 16 // x.element_size()
+    load_pad = plan.stage_rows(K > 0 and (_misaligned(x, pad) or _misaligned(w, pad, 2)), x.element_size())
+    if load_pad > 1:
+        x, w = _staged(x, load_pad), _staged(w, load_pad, 2)
     if transpose_w:
-        G, N, _ = w.shape
+        G = w.shape[0]
         sw_g, sw_n, sw_k = w.stride()
         sw = (sw_g, sw_k, sw_n)
     else:
-        G, _, N = w.shape
+        G = w.shape[0]
         sw = w.stride()
-    if M == 0 or N == 0:
-        return
     sx, so = x.stride(), out.stride()
     sb = (0, 0) if bias is None else bias.stride()
     w_k_contiguous = sw[1] == 1 and sw[2] != 1
     w_rows, w_row_stride = (N, sw[2]) if w_k_contiguous else (K, sw[1])
     tma_store = tma_load = False
-    if plan.tma_candidate(M, N, K):  # the plan's size gate first: data pointers cost host time
+    if plan.tma_candidate(M, N, K, G):  # the plan's size gate first: data pointers cost host time
         # The kernel's TMA descriptor over out (m_grouped._clipped_out_desc): N contiguous, the row stride and
         # the base 16-byte aligned.
         tma_store = out.element_size() == 2 and so[1] == 1 and so[0] % 8 == 0 and out.data_ptr() % 16 == 0
@@ -305,12 +415,12 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
             and x.data_ptr() % 16 == 0
             and w.data_ptr() % 16 == 0
         )
-    # Half-high tail tiles only where every row is 16-element aligned (m_grouped.half_tiles_fit says why).
+    # Half-high tail tiles only where every row is 16-byte aligned (m_grouped.half_tiles_fit says why).
     rows_aligned = (
         sx[1] == 1
         and so[1] == 1
         and (w_k_contiguous or sw[2] == 1)
-        and (sx[0] | w_row_stride | so[0]) % 16 == 0
+        and (sx[0] | w_row_stride | so[0]) * x.element_size() % 16 == 0
     )
     spec = (
         M,
@@ -325,13 +435,21 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
         tma_store,
         tma_load,
         rows_aligned,
+        load_pad,
     )
     b = x if bias is None else bias
-    ints = (M, N, K, G, G, *sx, *sw, *so, *sb)
-    if (tma_store or tma_load) and _m_launch(*spec).scratch:
+    chosen = _m_launch(*spec)
+    split_k = chosen.meta["SPLIT_K"]
+    dst = out
+    if split_k > 1:  # fp32 partials [split_k, M, N], summed into out after (plan._split_k)
+        dst = torch.empty((split_k, M, N), dtype=torch.float32, device=out.device)
+    ints = (M, N, K, G, G, *sx, *sw, *((N, 1) if split_k > 1 else so), *sb)
+    if chosen.scratch:
         _ensure_allocator()  # descriptors made in the kernel: Triton allocates their scratch
     # No group offset (HAS_GROUP_OFFSET=False): the kernel never reads that slot; group_sizes fills it.
-    M_GROUPED.launch(spec, (x, w, group_sizes, group_sizes, b, out), ints, lambda: _m_launch(*spec))
+    M_GROUPED.launch(spec, (x, w, group_sizes, group_sizes, b, dst), ints, lambda: chosen)
+    if split_k > 1:
+        _reduce_splits(dst, out, 0, (0, *so))
 
 
 _GL_DTYPES = {torch.bfloat16: k_ws.gl.bfloat16, torch.float16: k_ws.gl.float16} if k_ws.supported() else {}
@@ -349,10 +467,15 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) ->
     G = group_sizes.shape[0]
     if G == 0 or K == 0 or (N == 0 and a_colsum is None):
         return
+    # Rows that are not 16-byte aligned are staged into padded ones (plan.stage_rows).
+    pad = 16 // a.element_size()
+    load_pad = plan.stage_rows(M > 0 and (_misaligned(a, pad) or _misaligned(b, pad)), a.element_size())
+    if load_pad > 1:
+        a, b = _staged(a, load_pad), _staged(b, load_pad)
     sa, sb, so = a.stride(), b.stride(), out.stride()
     ss = (0, 0) if a_colsum is None else a_colsum.stride()
     tma_store = tma_load = False
-    if plan.tma_candidate(M, N, K):  # the plan's size gate first: data pointers cost host time
+    if plan.tma_candidate(M, N, K, G):  # the plan's size gate first: data pointers cost host time
         # The kernel's TMA descriptor over out [G, K, N] (k_grouped._out_desc): N contiguous, the other strides
         # and the base 16-byte aligned (the plan checks accumulation and N > 0).
         tma_store = (
@@ -411,13 +534,21 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) ->
         out.element_size(),
         tma_store,
         tma_load,
+        load_pad,
     )
     colsum = out if a_colsum is None else a_colsum
-    if (tma_store or tma_load) and _k_launch(*spec).scratch:
+    chosen = _k_launch(*spec)
+    split = chosen.meta["SPLIT_R"]
+    dst = out
+    if split > 1:  # fp32 partials [split, G, K, N], summed into out after (plan._split_r)
+        dst = torch.empty((split, G, K, N), dtype=torch.float32, device=out.device)
+    if chosen.scratch:
         _ensure_allocator()  # descriptors made in the kernel: Triton allocates their scratch
     K_GROUPED.launch(
         spec,
-        (a, b, group_sizes, group_sizes, out, colsum, out),
-        (M, N, K, G, G, *sa, *sb, *so, *ss),
-        lambda: _k_launch(*spec),
+        (a, b, group_sizes, group_sizes, dst, colsum, dst),
+        (M, N, K, G, G, *sa, *sb, *((K * N, N, 1) if split > 1 else so), *ss),
+        lambda: chosen,
     )
+    if split > 1:
+        _reduce_splits(dst.view(split, G * K, N), out, K, so)
