@@ -52,9 +52,9 @@ def test_twins_are_aligned_and_near():
         c, t = fc.case, fc.twin
         assert (t.G, t.M) == (c.G, c.M) and t.name == f"{c.name}-twin"
         for drawn, aligned in ((c.K, t.K), (c.N, t.N)):
-            assert aligned % 64 == 0 and aligned >= 64 and abs(aligned - drawn) <= 64
-            # The nearest multiple of 64: none is closer.
-            assert all(abs(m - drawn) >= abs(aligned - drawn) for m in range(64, 16385, 64))
+            assert aligned % 16 == 0 and aligned >= 16 and abs(aligned - drawn) <= 8
+            # The nearest multiple of 16: none is closer.
+            assert all(abs(m - drawn) >= abs(aligned - drawn) for m in range(16, 16385, 16))
 
 
 def test_rejection_caps_hold():
@@ -120,11 +120,11 @@ def test_records_ratios_against_torch_or_the_twin(monkeypatch):
     assert acc["vs_torch"] == 0.5 and acc["vs_aligned"] is None and acc["twin_ms"] is None
     assert acc["reference"] == "torch" and acc["target"] == 0.95 and acc["meets_target"] is False
     assert timed == [["moegemm", harness.TORCH_PEER]]
-    (ref,) = run.measure_case(_fc(16, 23, 1))
-    assert not ref["torch_accepts"] and ref["torch_status"] == "skipped" and ref["twin"]["N"] == 64
-    assert ref["twin"]["K"] == 64 and ref["twin_status"] == "ok" and ref["twin_ms"] == 2.0
-    # Same ms, so the ratio of TF/s is the ratio of FLOPs: 16*23 over 64*64.
-    assert ref["vs_aligned"] == pytest.approx(16 * 23 / (64 * 64))
+    (ref,) = run.measure_case(_fc(16, 9, 1))
+    assert not ref["torch_accepts"] and ref["torch_status"] == "skipped" and ref["twin"]["N"] == 16
+    assert ref["twin"]["K"] == 16 and ref["twin_status"] == "ok" and ref["twin_ms"] == 2.0
+    # Same ms, so the ratio of TF/s is the ratio of FLOPs: 16*9 over 16*16 (N = 9 -> 16, the nearest 16).
+    assert ref["vs_aligned"] == pytest.approx(16 * 9 / (16 * 16))
     assert ref["reference"] == "aligned twin" and ref["target"] == 0.6 and ref["meets_target"] is False
     assert timed[1:] == [["moegemm"], ["moegemm"]]  # the case (torch refused), then its twin
 

@@ -194,11 +194,15 @@ class TestMGroupedTritonTmaLoad(MGroupedTest):
         out = super().check(M, K, N, sizes, dtype=dtype, layout=layout, **kwargs)
         for _, spec in self.calls[before:]:
             block_k = _launch._m_launch(*spec).meta["BLOCK_K"]
-            # Rows that are not 16-byte aligned are staged into aligned ones first (plan.stage_rows), so only
-            # the K-tail rule of an N-contiguous w is left (m_grouped.tma_load_fits). With K = N = 1 both of w's
-            # axes have unit stride, and the launcher reads it N-contiguous.
-            k_contiguous = layout == "transpose_w" and min(K, N) > 1
-            want_tma = dtype.itemsize == 2 and (k_contiguous or K % block_k == 0)
+            # Rows staged into 16-byte aligned ones (spec's load_pad; plan.stage_rows) leave only the K-tail rule
+            # of an N-contiguous w (m_grouped.tma_load_fits). With K = N = 1 both of w's axes have unit stride,
+            # and the launcher reads it N-contiguous.
+            if spec[-1] > 1:
+                k_contiguous = layout == "transpose_w" and min(K, N) > 1
+                want_tma = dtype.itemsize == 2 and (k_contiguous or K % block_k == 0)
+            else:
+                rows_aligned = K % 8 == 0 if layout == "transpose_w" else N % 8 == 0 and K % block_k == 0
+                want_tma = dtype.itemsize == 2 and K % 8 == 0 and rows_aligned
             meta, what = _launch._m_launch(*spec).meta, (M, K, N, dtype, layout)
             assert meta["TMA_LOAD"] == want_tma, what
             assert meta["FLAT"] == (self.FLAT and want_tma and K <= m_grouped.FLAT_MAX_K), what
@@ -314,6 +318,33 @@ class TestMGroupedTritonFlatTmaStore(TestMGroupedTritonFlat):
         assert metas and all(m["FLAT_WHOLE_TILES"] and not m["FLAT"] for m in metas), metas
         if DEVICE == "cpu":
             assert bool(flat_calls) == (sizes != [128, 5, 251, 128]), (sizes, len(flat_calls))
+
+
+class TestMGroupedTritonStaged(MGroupedTest):
+    """Every operand whose rows are not 16-byte aligned staged into zero-padded rows
+    (constrain(stage_rows=True)), whatever the rule would weigh: the odd edge cases read through LOAD_PAD
+    masks. A spy fails any test where a launch with such rows was not staged."""
+
+    BACKEND = "triton"
+    pytestmark = pytest.mark.gpu
+
+    @pytest.fixture(autouse=True)
+    def staged(self, monkeypatch):
+        from moegemm._src.torch import launch as _launch
+
+        plan.constrain(stage_rows=True)
+        _launch.clear_launch_cache()
+        self.calls = record_launches(monkeypatch, "m_grouped")
+        yield
+
+    def check(self, M, K, N, sizes, dtype=torch.bfloat16, **kwargs):
+        before = len(self.calls)
+        out = super().check(M, K, N, sizes, dtype=dtype, **kwargs)
+        pad = 16 // dtype.itemsize
+        for _, spec in self.calls[before:]:
+            if K % pad and M > 0 and N > 0:  # x's rows (K) are not 16-byte aligned: staged
+                assert spec[-1] == pad, (M, K, N, dtype, spec)
+        return out
 
 
 class TestMGroupedTritonSplitK(MGroupedTest):

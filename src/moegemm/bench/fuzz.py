@@ -18,7 +18,7 @@ machine). Per case, in this order:
   200-case run stays within minutes of GPU time.
 
 The twin of a case (``twin``): the same G, M, split and seed, K and N each moved to the nearest multiple of
-64 (at least 64; a tie goes up). torch._grouped_mm refuses BF16 rows that are not 16-byte aligned (K or N
+16 (at least 16; a tie goes up: 16-byte rows in FP8 and BF16). torch._grouped_mm refuses BF16 rows that are not 16-byte aligned (K or N
 not a multiple of 8): there the reference is moegemm on the twin (target: >= 0.6x the twin's TF/s); where
 torch accepts, the reference is torch on the same shape (target: >= 0.95x). Twins are timed only where
 they are the reference, unless ``--fuzz-twins all``. In the FP8 fuzz, torch._scaled_grouped_mm (rowwise,
@@ -73,7 +73,7 @@ CLASSES = (
 SPLITS = (("dirichlet", 0.5), ("balanced", 0.3), ("one-hot", 0.2))
 BYTES_CAP = 6 * 2**30
 FLOPS_CAP = 2e12
-TWIN_MULTIPLE = 64
+TWIN_MULTIPLE = 16  # rows of 16 elements: 16-byte aligned in FP8 and BF16, so both torch peers take the twin
 TARGETS = {"vs_torch": 0.95, "vs_aligned": 0.6}
 CPU_G = 8
 CPU_VOLUME = 200_000  # M*K*N of a CPU (interpreter) case
@@ -136,7 +136,8 @@ def snap(v: int, cls: str, lo: int = DIM_RANGE[0], hi: int = DIM_RANGE[1]) -> in
 
 
 def twin(case: shapes.Case) -> shapes.Case:
-    """The nearest aligned shape: K and N to the nearest multiple of 64 (at least 64; a tie goes up)."""
+    """The nearest aligned shape: K and N to the nearest multiple of TWIN_MULTIPLE (at least that; a tie goes
+    up)."""
 
     def align(v: int) -> int:
         return max(TWIN_MULTIPLE, (v + TWIN_MULTIPLE // 2) // TWIN_MULTIPLE * TWIN_MULTIPLE)

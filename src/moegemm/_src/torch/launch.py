@@ -384,7 +384,10 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
         return
     # Rows that are not 16-byte aligned are staged into padded ones (plan.stage_rows).
     pad = 16 // x.element_size()
-    load_pad = plan.stage_rows(K > 0 and (_misaligned(x, pad) or _misaligned(w, pad, 2)), x.element_size())
+    staged = (x.numel() if _misaligned(x, pad) else 0) + (w.numel() if _misaligned(w, pad, 2) else 0)
+    load_pad = plan.stage_rows(
+        staged * x.element_size() if K > 0 else 0, M, N, K, w.shape[0], x.element_size()
+    )
     if load_pad > 1:
         x, w = _staged(x, load_pad), _staged(w, load_pad, 2)
     if transpose_w:
@@ -469,7 +472,8 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) ->
         return
     # Rows that are not 16-byte aligned are staged into padded ones (plan.stage_rows).
     pad = 16 // a.element_size()
-    load_pad = plan.stage_rows(M > 0 and (_misaligned(a, pad) or _misaligned(b, pad)), a.element_size())
+    staged = (a.numel() if _misaligned(a, pad) else 0) + (b.numel() if _misaligned(b, pad) else 0)
+    load_pad = plan.stage_rows(staged * a.element_size() if M > 0 else 0, M, N, K, G, a.element_size())
     if load_pad > 1:
         a, b = _staged(a, load_pad), _staged(b, load_pad)
     sa, sb, so = a.stride(), b.stride(), out.stride()
