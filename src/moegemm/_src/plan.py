@@ -63,7 +63,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from moegemm._src import configs, fp8
-from moegemm._src.kernels import k_grouped_fp8_ws, k_grouped_ws, m_grouped, m_grouped_fp8_ws
+from moegemm._src.kernels import k_grouped_fp8_ws, k_grouped_ws, m_grouped_fp8_ws
 from moegemm._src.kernels.k_grouped import KGroupedLaunch
 from moegemm._src.kernels.k_grouped_fp8 import KGroupedFp8Launch
 from moegemm._src.kernels.m_grouped import MGroupedLaunch
@@ -394,34 +394,11 @@ def _split_r(p: Problem, t: Target, caps: Capabilities, c: Constraints, config) 
     return split if split >= 2 else 1
 
 
-# A reduction of at most this many BLOCK_K steps makes an m-grouped launch store-bound: there a config without
-# room for the TMA store's staging tile gives ring stages up for it (docs/design.md, 'TMA stores').
-SHORT_K_STEPS = 8
-
-
-def _store_room(p: Problem, config, tma_store: bool):
-    """The config, with fewer ring stages (down to 2) where a store-bound launch (``SHORT_K_STEPS``) would
-    otherwise store from registers: the fuzz's short-reduction launches ran 0.68-0.77x torch._grouped_mm with
-    the register store of a 3-stage 128 x 128 config at 2 CTAs per SM."""
-    itemsize = 4 if p.dtype == "float32" else 2
-    if (
-        not tma_store
-        or m_grouped.tma_store_fits(config, itemsize)
-        or -(-p.K // config.block_k) > SHORT_K_STEPS
-    ):
-        return config
-    roomier = config
-    while roomier.num_stages > 2 and not m_grouped.tma_store_fits(roomier, itemsize):
-        roomier = dataclasses.replace(roomier, num_stages=roomier.num_stages - 1)
-    return roomier if m_grouped.tma_store_fits(roomier, itemsize) else config
-
-
 def _plan_m(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> Plan:
     tma_store, tma_load = _tma(p, t, caps, c)
     # The m-grouped TMA-only candidates were measured on forward launches (K-contiguous w) with TMA loads.
     config = _pick(M_GROUPED, p, t, c, tma_load and p.w_k_contiguous)
     split_k = _split_k(p, t, caps, c, config)
-    config = _store_room(p, config, tma_store and split_k == 1)
     launch = MGroupedLaunch.make(
         p.M,
         p.N,
@@ -628,6 +605,10 @@ def _plan_fp8_ws(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> P
 STAGE_BYTES_PER_S = 2.5e12
 STAGE_LAUNCH_S = 2e-6
 GEMM_FLOPS_PER_S = 6e14
+# Staging pays up to this many times the GEMM's estimated time: as given, a launch with real work ran 3-40x
+# slower (a 19k-token forward at K = 8529: 5.3 ms against 0.18 staged), while the pass over a weight that few
+# tokens touch costs many GEMMs (docs/design.md, 'Unaligned rows').
+STAGE_MAX_RATIO = 8
 
 
 def stage_rows(
@@ -640,9 +621,9 @@ def stage_rows(
 
     Element-wise loads ran an H100 launch with real work 3-25x slower than its staged twin, but staging costs
     a pass over the whole operand: a weight of many experts of which a few tokens touch few. So it stages
-    where that pass costs at most twice the GEMM's estimated time, whose bytes count the experts M rows can
-    reach (min(G, M)); measured on the H100, that kept a few-token launch on 85 experts at 9.6 us instead of
-    70 us staged, and a 5003-token one at 72 us instead of 540 as given. ``Constraints.stage_rows``: False
+    where that pass costs at most STAGE_MAX_RATIO times the GEMM's estimated time, whose bytes count the
+    experts M rows can reach (min(G, M)); measured on the H100, that keeps a few-token launch on 85 experts
+    at 9.6 us instead of 70 us staged, and a 5003-token one at 72 us instead of 540 as given. ``Constraints.stage_rows``: False
     never, True always (the A/B arms)."""
     c = _active if constraints is None else constraints
     if staged_bytes == 0 or c.stage_rows is False or itemsize >= 16:
@@ -651,7 +632,7 @@ def stage_rows(
         stage_s = 2 * staged_bytes / STAGE_BYTES_PER_S + STAGE_LAUNCH_S
         gemm_bytes = itemsize * (M * K + M * N + min(G, M) * K * N)
         gemm_s = max(2 * M * N * K / GEMM_FLOPS_PER_S, gemm_bytes / STAGE_BYTES_PER_S)
-        if stage_s > 2 * gemm_s:
+        if stage_s > STAGE_MAX_RATIO * gemm_s:
             return 1
     return 16 // itemsize
 

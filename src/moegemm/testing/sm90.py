@@ -36,6 +36,8 @@ from moegemm._src.kernels import (
     m_grouped,
     m_grouped_fp8,
     m_grouped_fp8_ws,
+    split_k,
+    stage_rows,
 )
 from moegemm._src.kernels.gluon_hopper import TensorDescriptor, gl
 from moegemm._src.kernels.schedule import sm90_shared_fits
@@ -188,6 +190,52 @@ def _unaligned(op: str, K: int, N: int, dtype: str = "bf16"):
     return m_grouped.m_grouped_mm_kernel, dict(launch.meta), pointers, values
 
 
+def _split(op: str, M: int):
+    """A split-reduction launch with M rows (M = 1 compiles as Triton's constant): the m-grouped forward's
+    split-K with TMA loads (int32 descriptor coordinates), the k-grouped wgrad's split rows, the reduction
+    kernel over [G, K, N] and the row-staging kernel."""
+    g, k, n = 21, 2968, 512
+    if op == "m_grouped":
+        config = configs.candidates("m_grouped", "sm90")[0]
+        launch = m_grouped.MGroupedLaunch.make(
+            M, n, k, g, config=config, num_programs_cap=132, fp32_inputs=False, interpret=False,
+            w_k_contiguous=True, tma_load=True, split_k=5,
+        )  # fmt: skip
+        pointers = {
+            "x_ptr": "*bf16", "w_ptr": "*bf16", "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32",
+            "bias_ptr": "*bf16", "out_ptr": "*fp32",
+        }  # fmt: skip
+        values = dict(
+            M=M, N=n, K=k, G=g, G_TOTAL=g, stride_xm=k, stride_xk=1, stride_wg=n * k, stride_wk=1, stride_wn=k,
+            stride_om=n, stride_on=1, stride_bg=0, stride_bn=0,
+        )  # fmt: skip
+        return m_grouped.m_grouped_mm_kernel, dict(launch.meta), pointers, values
+    if op == "k_grouped":
+        config = configs.candidates("k_grouped", "sm90")[0]
+        launch = k_grouped.KGroupedLaunch.make(
+            M, n, 64, 2, config=config, num_programs_cap=132, fp32_inputs=False, accumulate=False,
+            interpret=False, out_itemsize=4, split_r=4,
+        )  # fmt: skip
+        pointers = {
+            "a_ptr": "*bf16", "b_ptr": "*bf16", "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32",
+            "c_ptr": "*fp32", "a_colsum_ptr": "*fp32", "out_ptr": "*fp32",
+        }  # fmt: skip
+        values = dict(
+            M=M, N=n, K=64, G=2, G_TOTAL=2, stride_am=64, stride_ak=1, stride_bm=n, stride_bn=1, stride_og=64 * n,
+            stride_ok=n, stride_on=1, stride_sg=0, stride_sk=0,
+        )  # fmt: skip
+        return k_grouped.k_grouped_mm_kernel, dict(launch.meta), pointers, values
+    if op == "reduce":
+        meta = dict(
+            N=n, GROUP_ROWS=64, stride_og=64 * n, stride_or=n, stride_on=1, SPLIT=4, BLOCK_R=split_k.BLOCK_R,
+            BLOCK_N=split_k.BLOCK_N, num_warps=split_k.NUM_WARPS,
+        )  # fmt: skip
+        return split_k.reduce_kernel, meta, {"partials_ptr": "*fp32", "out_ptr": "*bf16"}, {"R": M}
+    meta = dict(C=1001, C_PAD=1008, BLOCK_R=stage_rows.BLOCK_R, BLOCK_C=stage_rows.BLOCK_C, num_warps=4)
+    values = {"rows": M, "R": M, "stride_sb": 0, "stride_sr": 1001}
+    return stage_rows.stage_rows_kernel, meta, {"src_ptr": "*bf16", "dst_ptr": "*bf16"}, values
+
+
 # Launches on 16-byte but not 16-element aligned rows, whose loads ``load_widths`` checks.
 UNALIGNED = {
     f"unaligned-{op}-{K}-{N}": (lambda op=op, K=K, N=N: _unaligned(op, K, N))
@@ -330,6 +378,11 @@ KERNELS = {
     **{
         name: (lambda f=f, c=c, kw=kw: f(c, tma_store=True, **kw))
         for name, (f, c, kw) in _TMA_STORE_CANDIDATES.items()
+    },
+    **{
+        f"split-{op}-M{rows}": (lambda op=op, rows=rows: _split(op, rows))
+        for op in ("m_grouped", "k_grouped", "reduce", "stage_rows")
+        for rows in (1, 4096)
     },
     "m_grouped_fp8_ws": _m_grouped_fp8_ws,
     "k_grouped_ws": _k_grouped_ws,

@@ -391,7 +391,8 @@ def m_grouped_mm_kernel(
             # The slices of one tile are consecutive items, so programs running together read the same x rows.
             work = item // SPLIT_K
             split = item % SPLIT_K
-            k_begin = split * SPLIT_STEPS
+            # int32: a TMA load's coordinates must be (the item index is 64-bit where the tile count is)
+            k_begin = (split * SPLIT_STEPS).to(tl.int32)
             k_end = tl.minimum(k_begin + SPLIT_STEPS, K_STEPS)
             bias_end = tl.where(split == 0, G, 0)
             part_ptr = out_ptr + split.to(tl.int64) * M * stride_om

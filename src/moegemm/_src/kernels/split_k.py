@@ -37,7 +37,8 @@ def reduce_kernel(
     offs = offs_r[:, None] * N + offs_n[None, :]
     acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
     for s in tl.static_range(SPLIT):
-        acc += tl.load(partials_ptr + s * R.to(tl.int64) * N + offs, mask=mask, other=0.0)
+        # s * R * N fits an int32 (plan.SPLIT_K_MAX_BYTES); R may be the constant 1 (Triton specializes it).
+        acc += tl.load(partials_ptr + s * R * N + offs, mask=mask, other=0.0)
     if GROUP_ROWS > 0:
         rows = (offs_r // GROUP_ROWS) * stride_og + (offs_r % GROUP_ROWS) * stride_or
     else:
