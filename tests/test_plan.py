@@ -264,16 +264,19 @@ def test_split_k_rule():
 
 
 def test_stage_rows_rule():
-    """Rows that are not 16-byte aligned are staged where the pass over them costs at most twice the GEMM's
-    estimate: the 5003-token launch of 7 experts at K = 1001 stages its x and w; 8 tokens against 85
-    experts' weights (a few touched) and a tiny launch read them as given; aligned rows never stage; the
-    constraint forces either arm."""
+    """Rows that are not 16-byte aligned are staged where the pass over them costs at most STAGE_MAX_RATIO
+    times the GEMM's estimate for a forward with several rows per expert, STAGE_MAX_RATIO_LIGHT otherwise (the
+    H100 numbers of plan.STAGE_MAX_RATIO's comment); aligned rows never stage; the constraint forces either
+    arm."""
 
-    def staged(G, M, K, N):
-        return plan.stage_rows(2 * (M * K + G * N * K), M, N, K, G, 2)
+    def staged(G, M, K, N, fwd=True, nbytes=None):
+        nbytes = 2 * (M * K + G * N * K) if nbytes is None else nbytes
+        return plan.stage_rows(nbytes, M, N, K, G, 2, k_contiguous_weight=fwd)
 
     assert staged(7, 5003, 1001, 1400) == 8 and staged(16, 16384, 4095, 1402) == 8
+    assert staged(86, 18973, 8529, 64) == 8  # as given: 5.4 ms against 0.55 staged
     assert staged(85, 8, 28, 6262) == 1 and staged(11, 7, 20, 24) == 1
+    assert staged(36, 59, 789, 6277) == 1  # a row tile per expert: 293 us as given, 484 staged
     assert plan.stage_rows(0, 5003, 1400, 1001, 7, 2) == 1
     with plan.constrain(stage_rows=True):
         assert staged(11, 7, 20, 24) == 8

@@ -605,14 +605,24 @@ def _plan_fp8_ws(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> P
 STAGE_BYTES_PER_S = 2.5e12
 STAGE_LAUNCH_S = 2e-6
 GEMM_FLOPS_PER_S = 6e14
-# Staging pays up to this many times the GEMM's estimated time: as given, a launch with real work ran 3-40x
-# slower (a 19k-token forward at K = 8529: 5.3 ms against 0.18 staged), while the pass over a weight that few
-# tokens touch costs many GEMMs (docs/design.md, 'Unaligned rows').
+# Staging pays up to this many times the GEMM's estimated time (docs/design.md, 'Unaligned rows'). As given,
+# a forward reads its K-contiguous weight tiles element by element once per row tile: with several rows per
+# expert that ran 10-40x slower than staged on the H100 (a 19k-token forward on 86 experts at K = 8529: 5.4
+# ms against 0.55); with about one row tile per expert, and in dgrad and wgrad, it ran 0.5-3x the staged time.
 STAGE_MAX_RATIO = 8
+STAGE_MAX_RATIO_LIGHT = 1.5
 
 
 def stage_rows(
-    staged_bytes: int, M: int, N: int, K: int, G: int, itemsize: int, constraints: Constraints | None = None
+    staged_bytes: int,
+    M: int,
+    N: int,
+    K: int,
+    G: int,
+    itemsize: int,
+    *,
+    k_contiguous_weight: bool = False,
+    constraints: Constraints | None = None,
 ) -> int:
     """The load_pad of a BF16/FP16/FP32 launch (``Problem.load_pad``): 1 (read as given), or ``16 //
     itemsize`` where the front end copies every operand whose rows are not 16-byte aligned (their extent,
@@ -621,9 +631,11 @@ def stage_rows(
 
     Element-wise loads ran an H100 launch with real work 3-25x slower than its staged twin, but staging costs
     a pass over the whole operand: a weight of many experts of which a few tokens touch few. So it stages
-    where that pass costs at most STAGE_MAX_RATIO times the GEMM's estimated time, whose bytes count the
-    experts M rows can reach (min(G, M)); measured on the H100, that keeps a few-token launch on 85 experts
-    at 9.6 us instead of 70 us staged, and a 5003-token one at 72 us instead of 540 as given. ``Constraints.stage_rows``: False
+    where that pass costs at most STAGE_MAX_RATIO times the GEMM's estimated time (an m-grouped launch with a
+    K-contiguous weight, the forward, and at least 4 rows per expert on average), STAGE_MAX_RATIO_LIGHT times
+    otherwise; the GEMM's bytes count the experts M rows can reach (min(G, M)). Measured on the H100, that
+    keeps a few-token forward on 85 experts at 9.6 us instead of 70 us staged, and stages a 5003-token one (57
+    us instead of 540 as given). ``Constraints.stage_rows``: False
     never, True always (the A/B arms)."""
     c = _active if constraints is None else constraints
     if staged_bytes == 0 or c.stage_rows is False or itemsize >= 16:
@@ -632,7 +644,8 @@ def stage_rows(
         stage_s = 2 * staged_bytes / STAGE_BYTES_PER_S + STAGE_LAUNCH_S
         gemm_bytes = itemsize * (M * K + M * N + min(G, M) * K * N)
         gemm_s = max(2 * M * N * K / GEMM_FLOPS_PER_S, gemm_bytes / STAGE_BYTES_PER_S)
-        if stage_s > STAGE_MAX_RATIO * gemm_s:
+        heavy = k_contiguous_weight and M >= 4 * G
+        if stage_s > (STAGE_MAX_RATIO if heavy else STAGE_MAX_RATIO_LIGHT) * gemm_s:
             return 1
     return 16 // itemsize
 
