@@ -388,19 +388,7 @@ def _meta(args, argv, env, spec, registry, timing) -> dict:
 
     check_only = spec.check_only
     return {
-        "mode": "correctness" if check_only else "benchmark",
-        "performance": not check_only,
-        "notice": report.CPU_NOTICE if check_only else None,
-        "device": env.device,
-        "device_slug": env.device_slug,
-        "date": env.date,
-        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "torch": env.torch,
-        "triton": env.triton,
-        "driver": env.driver,
-        "cuda": env.cuda,
-        "python": sys.version.split()[0],
-        "argv": list(sys.argv[1:] if argv is None else argv),
+        **report.run_meta(env, check_only, argv),
         "dtype": args.dtype,
         "ops": spec.ops,
         "split": args.split,

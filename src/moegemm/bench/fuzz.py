@@ -683,7 +683,6 @@ def _check_table(records: list[dict], title: str):
 def main(args, argv, env, device: torch.device, console) -> int:
     """``--fuzz N``: draw, warm the compile cache, check and time every case, write the JSON after each case;
     returns the exit status (1 when a check failed)."""
-    import sys
 
     from moegemm.bench import harness, report, timing
 
@@ -699,18 +698,8 @@ def main(args, argv, env, device: torch.device, console) -> int:
     out = args.out or report.default_out(env.device, args.name or ("fuzz-fp8" if fp8 else "fuzz"))
     workers = args.workers if args.workers is not None else min(16, os.cpu_count() or 1)
     meta = {
-        "mode": "correctness" if check_only else "benchmark",
-        "performance": not check_only,
-        "notice": report.CPU_NOTICE if check_only else None,
+        **report.run_meta(env, check_only, argv),
         "benchmark": "fuzz-fp8" if fp8 else "fuzz",
-        "device": env.device,
-        "date": env.date,
-        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "torch": env.torch,
-        "triton": env.triton,
-        "driver": env.driver,
-        "cuda": env.cuda,
-        "argv": list(sys.argv[1:] if argv is None else argv),
         "seed": args.seed,
         "n": args.fuzz,
         "dtype": "fp8" if fp8 else str(dtype).removeprefix("torch."),

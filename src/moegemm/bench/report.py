@@ -67,6 +67,29 @@ CPU_NOTICE = (
 _MEMORY_WORD = re.compile(r"^(\d+gb|hbm\d*e?)$")
 
 
+def run_meta(env, check_only: bool, argv) -> dict:
+    """The fields every result JSON's meta opens with: the mode, the machine and versions, when and how it ran
+    (``env`` a ``harness.Environment``; argv None: this process's)."""
+    import sys
+    import time
+
+    return {
+        "mode": "correctness" if check_only else "benchmark",
+        "performance": not check_only,
+        "notice": CPU_NOTICE if check_only else None,
+        "device": env.device,
+        "device_slug": env.device_slug,
+        "date": env.date,
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "torch": env.torch,
+        "triton": env.triton,
+        "driver": env.driver,
+        "cuda": env.cuda,
+        "python": sys.version.split()[0],
+        "argv": list(sys.argv[1:] if argv is None else argv),
+    }
+
+
 def results_slug(device_name: str) -> str:
     """The results folder of a device: "NVIDIA H100 80GB HBM3" -> "nvidia-h100", "NVIDIA H200" ->
     "nvidia-h200", "NVIDIA H100 PCIe" -> "nvidia-h100-pcie", "cpu-x86_64" -> "cpu-x86_64"."""
