@@ -587,6 +587,30 @@ def test_mixed_m_rule():
     assert mixed(configs.MGroupedConfig(32, 32, 32), 31, 17, interpret=True)
 
 
+@pytest.mark.parametrize("layout", ["transpose_w", "k-major"])
+def test_staging_rule_sees_the_weight_layout(monkeypatch, layout):
+    """The launcher asks plan.stage_rows with the misaligned operands' bytes and whether w is read K-contiguous
+    (the forward's nn.Linear weight, whose as-given reads cost most: docs/design.md, 'Unaligned rows')."""
+    from moegemm._src.torch import launch as _launch
+
+    asked = []
+    inner = plan.stage_rows
+
+    def spy(staged_bytes, M, N, K, G, itemsize, **kw):
+        asked.append((staged_bytes, M, N, K, G, kw))
+        return inner(staged_bytes, M, N, K, G, itemsize, **kw)
+
+    monkeypatch.setattr(plan, "stage_rows", spy)
+    _launch.clear_launch_cache()
+    x, w = make_inputs(40, 33, 24, 2, torch.bfloat16, layout)
+    m_grouped_mm(x, w, torch.tensor([15, 25], device=DEVICE))
+    ((staged_bytes, M, N, K, G, kw),) = asked
+    # x [40, 33] and w (33-element rows for transpose_w; k-major w [2, 33, 24] has 48-byte rows) are misaligned.
+    want_bytes = 2 * (40 * 33 + (2 * 24 * 33 if layout == "transpose_w" else 0))
+    assert (staged_bytes, M, N, K, G) == (want_bytes, 40, 24, 33, 2)
+    assert kw == {"k_contiguous_weight": layout == "transpose_w"}
+
+
 def test_mixed_m_needs_aligned_rows(monkeypatch):
     """The PyTorch launcher allows half-high tiles only where x's, w's and out's rows are 16-byte aligned with
     unit inner strides: a column-major x launches without them; an x view with 36-element rows (72 bytes)

@@ -385,8 +385,15 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
     # Rows that are not 16-byte aligned are staged into padded ones (plan.stage_rows).
     pad = 16 // x.element_size()
     staged = (x.numel() if _misaligned(x, pad) else 0) + (w.numel() if _misaligned(w, pad, 2) else 0)
+    w_k_unit = (w.stride(2) if transpose_w else w.stride(1)) == 1  # the forward's nn.Linear weight, as stored
     load_pad = plan.stage_rows(
-        staged * x.element_size() if K > 0 else 0, M, N, K, w.shape[0], x.element_size()
+        staged * x.element_size() if K > 0 else 0,
+        M,
+        N,
+        K,
+        w.shape[0],
+        x.element_size(),
+        k_contiguous_weight=w_k_unit and K > 1,
     )
     if load_pad > 1:
         x, w = _staged(x, load_pad), _staged(w, load_pad, 2)
