@@ -614,17 +614,21 @@ def test_staging_rule_sees_the_weight_layout(monkeypatch, layout):
 def test_mixed_m_needs_aligned_rows(monkeypatch):
     """The PyTorch launcher allows half-high tiles only where x's, w's and out's rows are 16-byte aligned with
     unit inner strides: a column-major x launches without them; an x view with 36-element rows (72 bytes)
-    is staged into aligned rows and launches with them, as the same x contiguous does."""
+    launches without them as given and with them staged into aligned rows, as the same x contiguous does."""
     from moegemm._src.torch import launch as _launch
 
-    plan.constrain(tma_load=False)
     calls = record_launches(monkeypatch, "m_grouped")
-    _launch.clear_launch_cache()
     wide = torch.randn(64, 36, device=DEVICE, dtype=torch.bfloat16)
     w = torch.randn(2, 16, 32, device=DEVICE, dtype=torch.bfloat16)
     gs = torch.tensor([30, 34], device=DEVICE)
     column_major = wide[:, :32].T.contiguous().T
-    for x, want_mixed in ((column_major, False), (wide[:, :32], True), (wide[:, :32].contiguous(), True)):
+    for x, stage, want_mixed in (
+        (column_major, None, False),
+        (wide[:, :32], False, False),
+        (wide[:, :32], True, True),
+        (wide[:, :32].contiguous(), None, True),
+    ):
+        plan.constrain(tma_load=False, stage_rows=stage)
         out = m_grouped_mm(x, w.mT, gs)
         assert_rel_close(out.cpu(), want(x, w.mT, [30, 34]), torch.bfloat16, what=f"x stride {x.stride()}")
         assert _launch._m_launch(*calls[-1][1]).meta["MIXED_M"] == want_mixed, x.stride()
