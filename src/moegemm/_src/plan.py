@@ -607,7 +607,7 @@ STAGE_LAUNCH_S = 2e-6
 GEMM_FLOPS_PER_S = 6e14
 # Staging pays up to this many times the GEMM's estimated time (docs/design.md, 'Unaligned rows'). As given,
 # a forward reads its K-contiguous weight tiles element by element once per row tile: with several rows per
-# expert that ran 10-40x slower than staged on the H100 (a 19k-token forward on 86 experts at K = 8529: 5.4
+# expert that ran 10-25x slower than staged on the H100 (a 19k-token forward on 86 experts at K = 8529: 5.4
 # ms against 0.55); with about one row tile per expert, and in dgrad and wgrad, it ran 0.5-3x the staged time.
 STAGE_MAX_RATIO = 8
 STAGE_MAX_RATIO_LIGHT = 1.5
@@ -629,14 +629,13 @@ def stage_rows(
     row or group stride, or base; ``staged_bytes`` of them, 0: none) into rows zero-padded to that many
     elements, so the kernels read whole 16-byte vectors (docs/design.md, 'Unaligned rows').
 
-    Element-wise loads ran an H100 launch with real work 3-25x slower than its staged twin, but staging costs
+    Element-wise loads ran an H100 forward with real work 10-25x slower than staged, but staging costs
     a pass over the whole operand: a weight of many experts of which a few tokens touch few. So it stages
     where that pass costs at most STAGE_MAX_RATIO times the GEMM's estimated time (an m-grouped launch with a
     K-contiguous weight, the forward, and at least 4 rows per expert on average), STAGE_MAX_RATIO_LIGHT times
     otherwise; the GEMM's bytes count the experts M rows can reach (min(G, M)). Measured on the H100, that
     keeps a few-token forward on 85 experts at 9.6 us instead of 70 us staged, and stages a 5003-token one (57
-    us instead of 540 as given). ``Constraints.stage_rows``: False
-    never, True always (the A/B arms)."""
+    us instead of 540 as given). ``Constraints.stage_rows``: False never, True always (the A/B arms)."""
     c = _active if constraints is None else constraints
     if staged_bytes == 0 or c.stage_rows is False or itemsize >= 16:
         return 1
