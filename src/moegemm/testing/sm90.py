@@ -95,6 +95,37 @@ def _k_grouped_fp8_ws():
     return k_grouped_fp8_ws.k_grouped_mm_fp8_ws_kernel, launch.meta, pointers
 
 
+def _m_args(
+    M: int, N: int, K: int, G: int, *, w_k_contiguous: bool = True, bias: bool = False, out: str = "*bf16"
+):
+    """(pointer types, other arguments) of a contiguous BF16 m-grouped launch: x [M, K], w read as [G, K, N]
+    (K-contiguous: an nn.Linear weight [G, N, K] as stored), out [M, N] of type ``out``, bias [G, N] or none."""
+    pointers = {
+        "x_ptr": "*bf16", "w_ptr": "*bf16", "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32",
+        "bias_ptr": "*bf16", "out_ptr": out,
+    }  # fmt: skip
+    w_strides = dict(stride_wk=1, stride_wn=K) if w_k_contiguous else dict(stride_wk=N, stride_wn=1)
+    values = dict(
+        M=M, N=N, K=K, G=G, G_TOTAL=G, stride_xm=K, stride_xk=1, stride_wg=N * K, **w_strides, stride_om=N,
+        stride_on=1, stride_bg=N if bias else 0, stride_bn=1 if bias else 0,
+    )  # fmt: skip
+    return pointers, values
+
+
+def _k_args(M: int, N: int, K: int, G: int, out: str = "*bf16"):
+    """(pointer types, other arguments) of a contiguous BF16 k-grouped launch: a [M, K], b [M, N], out
+    [G, K, N] of type ``out`` (c and the column sums alike)."""
+    pointers = {
+        "a_ptr": "*bf16", "b_ptr": "*bf16", "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32", "c_ptr": out,
+        "a_colsum_ptr": out, "out_ptr": out,
+    }  # fmt: skip
+    values = dict(
+        M=M, N=N, K=K, G=G, G_TOTAL=G, stride_am=K, stride_ak=1, stride_bm=N, stride_bn=1, stride_og=K * N,
+        stride_ok=N, stride_on=1, stride_sg=0, stride_sk=0,
+    )  # fmt: skip
+    return pointers, values
+
+
 def _m_grouped(
     config=None,
     tma_store: bool = False,
@@ -126,20 +157,12 @@ def _m_grouped(
     ), (config, K)
     half = not launch.meta["FLAT"] and m_grouped.half_tiles_fit(config.block_m, K, N, False)
     assert launch.meta["TAIL_SPLIT"] == (tail_split and half)
-    pointers = {
-        "x_ptr": "*bf16", "w_ptr": "*bf16", "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32",
-        "bias_ptr": "*bf16", "out_ptr": "*bf16",
-    }  # fmt: skip
-    w_strides = dict(stride_wk=1, stride_wn=K) if w_k_contiguous else dict(stride_wk=N, stride_wn=1)
-    values = dict(
-        M=M, N=N, K=K, G=G, G_TOTAL=G, stride_xm=K, stride_xk=1, stride_wg=N * K, **w_strides,
-        stride_om=N, stride_on=1, stride_bg=N, stride_bn=1,
-    )  # fmt: skip
+    pointers, values = _m_args(M, N, K, G, w_k_contiguous=w_k_contiguous, bias=True)
     meta = {**launch.meta, "ctas_per_sm": config.ctas_per_sm}
     return m_grouped.m_grouped_mm_kernel, meta, pointers, values
 
 
-def _unaligned(op: str, K: int, N: int, dtype: str = "bf16"):
+def _unaligned(op: str, K: int, N: int):
     """A launch on rows that are 16-byte aligned but not 16-element aligned (K, N such as 1000, 1400, as
     real layers and tensor-parallel shards have), with the strides a contiguous launch passes: its operand
     loads must stay 16-byte wide (``load_widths``; docs/design.md, 'Compiled-in sizes'). op: "fwd" (x @ w.mT,
@@ -152,20 +175,8 @@ def _unaligned(op: str, K: int, N: int, dtype: str = "bf16"):
             m, N, K, g, config=config, num_programs_cap=132, fp32_inputs=False, accumulate=False,
             interpret=False, out_itemsize=2,
         )  # fmt: skip
-        pointers = {
-            "a_ptr": "*bf16", "b_ptr": "*bf16", "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32",
-            "c_ptr": "*bf16", "a_colsum_ptr": "*bf16", "out_ptr": "*bf16",
-        }  # fmt: skip
-        values = dict(
-            M=m, N=N, K=K, G=g, G_TOTAL=g, stride_am=K, stride_ak=1, stride_bm=N, stride_bn=1, stride_og=N * K,
-            stride_ok=N, stride_on=1, stride_sg=0, stride_sk=0,
-        )  # fmt: skip
-        return k_grouped.k_grouped_mm_kernel, dict(launch.meta), pointers, values
-    w_strides = dict(stride_wk=1, stride_wn=K) if op != "dgrad" else dict(stride_wk=N, stride_wn=1)
-    values = dict(
-        M=m, N=N, K=K, G=g, G_TOTAL=g, stride_xm=K, stride_xk=1, stride_wg=N * K, **w_strides, stride_om=N,
-        stride_on=1, stride_bg=0, stride_bn=0,
-    )  # fmt: skip
+        return (k_grouped.k_grouped_mm_kernel, dict(launch.meta), *_k_args(m, N, K, g))
+    pointers, values = _m_args(m, N, K, g, w_k_contiguous=op != "dgrad")
     if op == "fwd_fp8":
         config = configs.candidates("m_grouped_fp8_fast", "sm90")[0]
         launch = m_grouped_fp8.MGroupedFp8Launch.make(
@@ -183,10 +194,6 @@ def _unaligned(op: str, K: int, N: int, dtype: str = "bf16"):
         m, N, K, g, config=config, num_programs_cap=132, fp32_inputs=False, interpret=False,
         w_k_contiguous=op == "fwd",
     )  # fmt: skip
-    pointers = {
-        "x_ptr": "*bf16", "w_ptr": "*bf16", "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32",
-        "bias_ptr": "*bf16", "out_ptr": "*bf16",
-    }  # fmt: skip
     return m_grouped.m_grouped_mm_kernel, dict(launch.meta), pointers, values
 
 
@@ -201,30 +208,14 @@ def _split(op: str, M: int):
             M, n, k, g, config=config, num_programs_cap=132, fp32_inputs=False, interpret=False,
             w_k_contiguous=True, tma_load=True, split_k=5,
         )  # fmt: skip
-        pointers = {
-            "x_ptr": "*bf16", "w_ptr": "*bf16", "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32",
-            "bias_ptr": "*bf16", "out_ptr": "*fp32",
-        }  # fmt: skip
-        values = dict(
-            M=M, N=n, K=k, G=g, G_TOTAL=g, stride_xm=k, stride_xk=1, stride_wg=n * k, stride_wk=1, stride_wn=k,
-            stride_om=n, stride_on=1, stride_bg=0, stride_bn=0,
-        )  # fmt: skip
-        return m_grouped.m_grouped_mm_kernel, dict(launch.meta), pointers, values
+        return (m_grouped.m_grouped_mm_kernel, dict(launch.meta), *_m_args(M, n, k, g, out="*fp32"))
     if op == "k_grouped":
         config = configs.candidates("k_grouped", "sm90")[0]
         launch = k_grouped.KGroupedLaunch.make(
             M, n, 64, 2, config=config, num_programs_cap=132, fp32_inputs=False, accumulate=False,
             interpret=False, out_itemsize=4, split_r=4,
         )  # fmt: skip
-        pointers = {
-            "a_ptr": "*bf16", "b_ptr": "*bf16", "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32",
-            "c_ptr": "*fp32", "a_colsum_ptr": "*fp32", "out_ptr": "*fp32",
-        }  # fmt: skip
-        values = dict(
-            M=M, N=n, K=64, G=2, G_TOTAL=2, stride_am=64, stride_ak=1, stride_bm=n, stride_bn=1, stride_og=64 * n,
-            stride_ok=n, stride_on=1, stride_sg=0, stride_sk=0,
-        )  # fmt: skip
-        return k_grouped.k_grouped_mm_kernel, dict(launch.meta), pointers, values
+        return (k_grouped.k_grouped_mm_kernel, dict(launch.meta), *_k_args(M, n, 64, 2, out="*fp32"))
     if op == "reduce":
         meta = dict(
             N=n, GROUP_ROWS=64, stride_og=64 * n, stride_or=n, stride_on=1, SPLIT=4, BLOCK_R=split_k.BLOCK_R,
@@ -279,14 +270,7 @@ def _k_grouped(
     )  # fmt: skip
     assert launch.meta["TMA_STORE"] == tma_store, config
     assert launch.meta["TMA_LOAD"] == tma_load, config
-    pointers = {
-        "a_ptr": "*bf16", "b_ptr": "*bf16", "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32", "c_ptr": "*bf16",
-        "a_colsum_ptr": "*bf16", "out_ptr": "*bf16",
-    }  # fmt: skip
-    values = dict(
-        M=M, N=K, K=N, G=G, G_TOTAL=G, stride_am=N, stride_ak=1, stride_bm=K, stride_bn=1, stride_og=N * K,
-        stride_ok=K, stride_on=1, stride_sg=0, stride_sk=0,
-    )  # fmt: skip
+    pointers, values = _k_args(M, K, N, G)  # out [G, N, K]: the kernel's K is N here, its N is K
     meta = {**launch.meta, "ctas_per_sm": config.ctas_per_sm}
     return k_grouped.k_grouped_mm_kernel, meta, pointers, values
 
