@@ -347,12 +347,11 @@ class _StageLaunch:
 
 
 def _staged(t: torch.Tensor, pad: int, axes: int = 1) -> torch.Tensor:
-    """t copied into rows zero-padded to a multiple of ``pad`` elements along its unit-stride axis (16-byte
-    aligned rows and base) by one stage_rows_kernel launch, returned as a view of t's shape (the padding lies
-    past each row's end, where the kernels' LOAD_PAD masks read it). An aligned t is returned as it is. The
-    outer axes are walked from t's sizes and strides: views of t would cost host time per call."""
-    if not _misaligned(t, pad, axes):
-        return t
+    """t, whose rows ``_misaligned`` found not 16-byte aligned, copied into rows zero-padded to a multiple of
+    ``pad`` elements along its unit-stride axis (16-byte aligned rows and base) by one stage_rows_kernel
+    launch, returned as a view of t's shape (the padding lies past each row's end, where the kernels' LOAD_PAD
+    masks read it). The outer axes are walked from t's sizes and strides: views of t would cost host time per
+    call."""
     axis = _unit_axis(t, axes)
     shape, stride = t.shape, t.stride()
     outer = [d for d in range(t.dim()) if d != axis]  # one or two axes: x, a, b [rows, C]; w [G, rows, C]
@@ -384,7 +383,8 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
         return
     # Rows that are not 16-byte aligned are staged into padded ones (plan.stage_rows).
     pad = 16 // x.element_size()
-    staged = (x.numel() if _misaligned(x, pad) else 0) + (w.numel() if _misaligned(w, pad, 2) else 0)
+    x_staged, w_staged = _misaligned(x, pad), _misaligned(w, pad, 2)
+    staged = (x.numel() if x_staged else 0) + (w.numel() if w_staged else 0)
     w_k_unit = (w.stride(2) if transpose_w else w.stride(1)) == 1  # the forward's nn.Linear weight, as stored
     load_pad = plan.stage_rows(
         staged * x.element_size() if K > 0 else 0,
@@ -396,7 +396,8 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
         k_contiguous_weight=w_k_unit and K > 1,
     )
     if load_pad > 1:
-        x, w = _staged(x, load_pad), _staged(w, load_pad, 2)
+        x = _staged(x, load_pad) if x_staged else x
+        w = _staged(w, load_pad, 2) if w_staged else w
     if transpose_w:
         G = w.shape[0]
         sw_g, sw_n, sw_k = w.stride()
@@ -479,10 +480,12 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) ->
         return
     # Rows that are not 16-byte aligned are staged into padded ones (plan.stage_rows).
     pad = 16 // a.element_size()
-    staged = (a.numel() if _misaligned(a, pad) else 0) + (b.numel() if _misaligned(b, pad) else 0)
+    a_staged, b_staged = _misaligned(a, pad), _misaligned(b, pad)
+    staged = (a.numel() if a_staged else 0) + (b.numel() if b_staged else 0)
     load_pad = plan.stage_rows(staged * a.element_size() if M > 0 else 0, M, N, K, G, a.element_size())
     if load_pad > 1:
-        a, b = _staged(a, load_pad), _staged(b, load_pad)
+        a = _staged(a, load_pad) if a_staged else a
+        b = _staged(b, load_pad) if b_staged else b
     sa, sb, so = a.stride(), b.stride(), out.stride()
     ss = (0, 0) if a_colsum is None else a_colsum.stride()
     tma_store = tma_load = False
