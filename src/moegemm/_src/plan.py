@@ -366,14 +366,8 @@ def _split_k(p: Problem, t: Target, caps: Capabilities, c: Constraints, config) 
     cdiv(N, BLOCK_N) (every row in one group), is what the rule can count on: more groups only add tiles."""
     if not (caps.workspace and p.g_total is None and p.M > 0 and c.split_k is not False):
         return 1
-    if isinstance(c.split_k, int) and not isinstance(c.split_k, bool):
-        return c.split_k
-    k_steps = -(-p.K // config.block_k)
     tiles = -(-p.M // config.block_m) * -(-p.N // config.block_n)
-    split = min(SPLIT_K_MAX, t.programs * config.ctas_per_sm // tiles, k_steps // SPLIT_K_MIN_STEPS)
-    while split > 1 and split * p.M * p.N * 4 > SPLIT_K_MAX_BYTES:
-        split -= 1
-    return split if split >= 2 else 1
+    return _slices(c, t, config, tiles, -(-p.K // config.block_k), p.M * p.N)
 
 
 def _split_r(p: Problem, t: Target, caps: Capabilities, c: Constraints, config) -> int:
@@ -384,12 +378,19 @@ def _split_r(p: Problem, t: Target, caps: Capabilities, c: Constraints, config) 
         return 1
     if p.accumulate or p.a_colsum:
         return 1
-    if isinstance(c.split_k, int) and not isinstance(c.split_k, bool):
-        return c.split_k
     tiles = p.G * -(-p.K // config.block_k) * -(-p.N // config.block_n)
     row_steps = p.M // max(p.G, 1) // config.block_r  # a group's BLOCK_R steps, on average
-    split = min(SPLIT_K_MAX, t.programs * config.ctas_per_sm // tiles, row_steps // SPLIT_K_MIN_STEPS)
-    while split > 1 and split * p.G * p.K * p.N * 4 > SPLIT_K_MAX_BYTES:
+    return _slices(c, t, config, tiles, row_steps, p.G * p.K * p.N)
+
+
+def _slices(c: Constraints, t: Target, config, tiles: int, steps: int, partial_elements: int) -> int:
+    """The split count both split rules share: the constraint's int if it forces one; else as many slices as
+    fill the programs the launch's ``tiles`` leave idle, each of at least SPLIT_K_MIN_STEPS of the ``steps``,
+    at most SPLIT_K_MAX, and fp32 partials (``partial_elements`` a slice) within SPLIT_K_MAX_BYTES; 1: none."""
+    if isinstance(c.split_k, int) and not isinstance(c.split_k, bool):
+        return c.split_k
+    split = min(SPLIT_K_MAX, t.programs * config.ctas_per_sm // tiles, steps // SPLIT_K_MIN_STEPS)
+    while split > 1 and split * partial_elements * 4 > SPLIT_K_MAX_BYTES:
         split -= 1
     return split if split >= 2 else 1
 
