@@ -253,7 +253,9 @@ def warm_one(job: dict) -> dict:
     start = time.perf_counter()
     try:
         if job["fp8"]:
-            sizes, gs, x, w, dy = _fp8_inputs(case, device, job["split"], job["seed"])
+            from moegemm.bench import fp8
+
+            sizes, gs, x, w, dy = fp8.inputs(case, device, job["seed"], split=job["split"])
             for recipe in job["recipes"]:
                 calls = _fp8_calls(recipe, x, w, dy, gs, sizes)
                 for op in job["ops"]:
@@ -294,12 +296,6 @@ def warm(jobs: list[dict], workers: int, say: Callable[[str], None]) -> dict:
 # ---------------------------------------------------------------- FP8 helpers (fp8.py's, with a split)
 
 
-def _fp8_inputs(case, device, split, seed):
-    from moegemm.bench import fp8
-
-    return fp8.inputs(case, device, seed, split=split)
-
-
 def _fp8_calls(recipe, x, w, dy, gs, sizes) -> dict:
     """op -> (moegemm's call, its dequantized fp32 reference) for one recipe; fast accumulation for fwd and
     dgrad (fp8.py's wgrad is promoted only)."""
@@ -334,16 +330,18 @@ class Fuzz:
         return self.device.type != "cuda"
 
     def measure_case(self, fc: FuzzCase) -> list[dict]:
+        from moegemm.bench import harness
+
         accepts = torch_accepts(fc.case, self.device, self.dtype, self.fp8)
         t_ops = twin_ops(accepts, self.ops, self.fp8, self.twins)
         main = self._fp8(fc.case, fc, self.ops, accepts) if self.fp8 else self._bf16(fc.case, fc, self.ops)
-        _free(self.device)
+        harness._free(self.device)
         twin_results = {}
         if t_ops:
             tw = fc.twin
             side = self._fp8(tw, fc, t_ops, False) if self.fp8 else self._bf16(tw, fc, t_ops, twin=True)
             twin_results = {(r["op"], r.get("recipe")): r for r in side}
-            _free(self.device)
+            harness._free(self.device)
         records = []
         for r in main:
             t = twin_results.get((r["op"], r.get("recipe")))
@@ -431,7 +429,7 @@ class Fuzz:
     def _fp8(self, case, fc, ops, accepts) -> list[dict]:
         from moegemm.bench import fp8, harness
 
-        sizes, gs, x, w, dy = _fp8_inputs(case, self.device, fc.split, fc.seed)
+        sizes, gs, x, w, dy = fp8.inputs(case, self.device, fc.seed, split=fc.split)
         calls = {recipe: _fp8_calls(recipe, x, w, dy, gs, sizes) for recipe in FP8_RECIPES}
         out = []
         for op in ops:
@@ -531,11 +529,6 @@ def _tflops(case, op, ms) -> float | None:
 
 def _ratio(a, b) -> float | None:
     return None if a is None or b is None or b <= 0 else a / b
-
-
-def _free(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------- summary and output
