@@ -139,7 +139,9 @@ class Problem:
     ws_layout (the warp-specialized kernels read and write this layout), row_strides and out_span (what the
     warp-specialized kernels' ``supported_problem`` checks). FP8: recipe ("tensorwise", "rowwise",
     "blockwise"; None: not FP8) and fast_accum. load_pad: the front end staged the operands into rows
-    zero-padded to a multiple of this many elements (``stage_rows``; 1: none).
+    zero-padded to a multiple of this many elements (``stage_rows``; 1: none). The expert block's options
+    (docs/design.md, 'Fused expert block'): gather names the operands read through a row index ("x"; "a", "b"),
+    epilogue the m-grouped epilogue ("swiglu", "swiglu_bwd"; "" none).
     """
 
     op: str
@@ -165,6 +167,8 @@ class Problem:
     recipe: str | None = None
     fast_accum: bool = False
     load_pad: int = 1
+    gather: tuple[str, ...] = ()
+    epilogue: str = ""
 
     @property
     def flops(self) -> int:
@@ -397,9 +401,10 @@ def _slices(c: Constraints, t: Target, config, tiles: int, steps: int, partial_e
 
 def _plan_m(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> Plan:
     tma_store, tma_load = _tma(p, t, caps, c)
+    tma_load = tma_load and not p.gather  # gathered rows have no descriptor (MGroupedLaunch.make)
     # The m-grouped TMA-only candidates were measured on forward launches (K-contiguous w) with TMA loads.
     config = _pick(M_GROUPED, p, t, c, tma_load and p.w_k_contiguous)
-    split_k = _split_k(p, t, caps, c, config)
+    split_k = 1 if p.epilogue else _split_k(p, t, caps, c, config)
     launch = MGroupedLaunch.make(
         p.M,
         p.N,
@@ -420,6 +425,8 @@ def _plan_m(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> Plan:
         flat=c.on("flat"),
         load_pad=p.load_pad,
         split_k=split_k,
+        gather="x" in p.gather,
+        epilogue=p.epilogue,
     )
     meta = launch.meta
     schedule = Schedule(
@@ -459,6 +466,8 @@ def _plan_k(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> Plan:
         tma_load=tma_load,
         load_pad=p.load_pad,
         split_r=split_r,
+        gather_a="a" in p.gather,
+        gather_b="b" in p.gather,
     )
     meta = launch.meta
     schedule = Schedule(
@@ -485,7 +494,7 @@ def _plan_k_ws(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> Pla
         and caps.host_descriptors
     ):
         return None
-    if p.a_colsum or p.accumulate or _tma(p, t, caps, c) != (True, True):
+    if p.a_colsum or p.accumulate or p.gather or _tma(p, t, caps, c) != (True, True):
         return None
     itemsize = {"bfloat16": 2, "float16": 2}.get(p.dtype, 0)
     if not k_grouped_ws.supported_problem(p.K, p.N, itemsize, p.row_strides, p.M):

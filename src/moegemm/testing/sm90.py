@@ -102,7 +102,8 @@ def _m_args(
     (K-contiguous: an nn.Linear weight [G, N, K] as stored), out [M, N] of type ``out``, bias [G, N] or none."""
     pointers = {
         "x_ptr": "*bf16", "w_ptr": "*bf16", "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32",
-        "bias_ptr": "*bf16", "out_ptr": out,
+        "bias_ptr": "*bf16", "gather_ptr": "*i32", "act_ptr": "*bf16", "row_scale_ptr": "*fp32",
+        "act_out_ptr": "*bf16", "ds_ptr": "*fp32", "out_ptr": out,
     }  # fmt: skip
     w_strides = dict(stride_wk=1, stride_wn=K) if w_k_contiguous else dict(stride_wk=N, stride_wn=1)
     values = dict(
@@ -117,7 +118,7 @@ def _k_args(M: int, N: int, K: int, G: int, out: str = "*bf16"):
     [G, K, N] of type ``out`` (c and the column sums alike)."""
     pointers = {
         "a_ptr": "*bf16", "b_ptr": "*bf16", "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32", "c_ptr": out,
-        "a_colsum_ptr": out, "out_ptr": out,
+        "a_colsum_ptr": out, "gather_a_ptr": "*i32", "gather_b_ptr": "*i32", "out_ptr": out,
     }  # fmt: skip
     values = dict(
         M=M, N=N, K=K, G=G, G_TOTAL=G, stride_am=K, stride_ak=1, stride_bm=N, stride_bn=1, stride_og=K * N,

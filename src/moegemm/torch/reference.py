@@ -14,7 +14,7 @@ import torch
 from moegemm._src.torch import reference as _ref
 from moegemm._src.torch.fp8_tensor import Fp8Tensor, check_pair
 
-__all__ = ["k_grouped_mm_reference", "m_grouped_mm_reference"]
+__all__ = ["k_grouped_mm_reference", "m_grouped_mm_reference", "moe_experts_reference"]
 
 
 def m_grouped_mm_reference(
@@ -82,3 +82,43 @@ def k_grouped_mm_reference(
         return result.to(out_dtype)
     out.copy_(result)
     return out
+
+
+def moe_experts_reference(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    activation: str = "swiglu",
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The expert block, per expert in plain PyTorch (differentiable by autograd):
+    ``out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u)``, ``(g, u) = split(w13[e] @ x[t])``,
+    ``e = topk_ids[t, j]``.
+
+    x [T, d]; topk_ids [T, k]; topk_weights [T, k]; w13 [E, 2n, d] (rows [0, n) gate, [n, 2n) up); w2 [E, d, n]
+    -> out [T, d] in x's dtype. The kernels' clamps, defined here too: an id outside [0, E) is clamped into it,
+    a non-finite weight counts as 0. Computed in ``compute_dtype`` without the kernels' bf16 roundings of the
+    fc1 output and the activation. Syncs (per-expert row lists)."""
+    if activation != "swiglu":
+        raise ValueError(f"moe_experts_reference: activation {activation!r}; supported: 'swiglu'")
+    T, d = x.shape
+    E, two_n, _ = w13.shape
+    n = two_n // 2
+    k = topk_ids.shape[1]
+    ids = topk_ids.reshape(-1).long().clamp(0, max(E - 1, 0))
+    weights = topk_weights.reshape(-1).to(compute_dtype)
+    weights = torch.where(torch.isfinite(weights), weights, torch.zeros_like(weights))
+    rows_x = x.to(compute_dtype).repeat_interleave(k, 0)  # row t * k + j is token t's j-th choice
+    out_rows = torch.zeros(T * k, d, dtype=compute_dtype, device=x.device)
+    for e in range(E):
+        rows = (ids == e).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            continue
+        z = rows_x[rows] @ w13[e].to(compute_dtype).T
+        h = torch.nn.functional.silu(z[:, :n]) * z[:, n:]
+        y = h @ w2[e].to(compute_dtype).T
+        out_rows = out_rows.index_add(0, rows, y * weights[rows, None])
+    return out_rows.view(T, k, d).sum(1).to(x.dtype)

@@ -163,7 +163,8 @@ def m_grouped_mm_call(
     out_shape = jax.ShapeDtypeStruct((M, N), jnp.dtype(out_dtype))
     # No bias (HAS_BIAS=False): the kernel never reads bias_ptr; x fills that slot. TMA_STORE stays off: the
     # kernel would make its descriptor in Triton's global scratch, which jax-triton 0.3.1 passes as null.
-    args = (x, w, group_sizes, _offset_arg(group_offset, group_sizes), x)
+    # The expert block's pointers (gather, act, row_scale, act_out, ds) are not read without its options.
+    args = (x, w, group_sizes, _offset_arg(group_offset, group_sizes), x, group_sizes, x, x, x, x)
     return KernelCall(m_grouped_mm_kernel, launch.grid, args, out_shape, {**launch.meta, **sizes}, {})
 
 
@@ -203,7 +204,16 @@ def k_grouped_mm_call(
     # Without accumulation the kernel never reads c_ptr, without A_COLSUM it never writes a_colsum_ptr; any
     # pointer fills those slots. No TMA_STORE: its descriptor lives in Triton's global scratch, which
     # jax-triton 0.3.1 passes as null.
-    args = (a, b, group_sizes, _offset_arg(group_offset, group_sizes), a if c is None else c, a)
+    args = (
+        a,
+        b,
+        group_sizes,
+        _offset_arg(group_offset, group_sizes),
+        a if c is None else c,
+        a,
+        group_sizes,
+        group_sizes,
+    )
     sizes = dict(
         M=M,
         N=N,

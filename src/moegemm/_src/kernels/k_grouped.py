@@ -59,6 +59,17 @@ def _k_step(
 
 
 @triton.jit
+def _gathered(base, gather_ptr, r, offs_r, r_mask, offs_c, stride_m, stride_c, C_CONTIGUOUS: tl.constexpr):
+    """Pointers to one BLOCK_R step of an operand whose rows r.. are read through an int32 index (the expert
+    block's token rows; docs/design.md, 'Fused expert block'): [BLOCK_R, C] where C_CONTIGUOUS (rows as stored),
+    else [C, BLOCK_R]."""
+    src = tl.load(gather_ptr + r + offs_r, mask=r_mask, other=0).to(tl.int64) * stride_m
+    if C_CONTIGUOUS:
+        return base + (src[:, None] + offs_c[None, :] * stride_c)
+    return base + (offs_c[:, None] * stride_c + src[None, :])
+
+
+@triton.jit
 def _k_epilogue(
     c_ptr,
     out_ptr,
@@ -131,6 +142,8 @@ def k_grouped_mm_kernel(
     group_offset_ptr,  # int32 [1]: the first local group (read only with HAS_GROUP_OFFSET)
     c_ptr,
     a_colsum_ptr,
+    gather_a_ptr,  # GATHER_A: int32 [M], the a row each reduction row reads
+    gather_b_ptr,  # GATHER_B: the same for b
     out_ptr,
     M,
     N: tl.constexpr,
@@ -169,6 +182,9 @@ def k_grouped_mm_kernel(
     SPLIT_R: tl.constexpr,
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot is wrong on bf16 operands
     PRECISION: tl.constexpr,
+    # a's or b's rows by index (the expert block's token rows; no TMA loads: KGroupedLaunch.make)
+    GATHER_A: tl.constexpr = False,
+    GATHER_B: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     out_desc = out_ptr  # a placeholder without TMA_STORE
@@ -276,8 +292,12 @@ def k_grouped_mm_kernel(
                             b_ptr, [rows, N], [stride_bm, 1], [BLOCK_R, BLOCK_N]
                         )
                 else:
-                    a_base = a_ptr + row_start * stride_am + (k_tile * BLOCK_K).to(tl.int64) * stride_ak
-                    b_base = b_ptr + row_start * stride_bm + (n_tile * BLOCK_N).to(tl.int64) * stride_bn
+                    a_base = a_ptr + (k_tile * BLOCK_K).to(tl.int64) * stride_ak
+                    b_base = b_ptr + (n_tile * BLOCK_N).to(tl.int64) * stride_bn
+                    if not GATHER_A:
+                        a_base += row_start * stride_am
+                    if not GATHER_B:
+                        b_base += row_start * stride_bm
             if TMA_LOAD:
                 r = row0 + step * BLOCK_R
                 a = tl.trans(a_desc.load([r, k_tile * BLOCK_K]))
@@ -289,9 +309,28 @@ def k_grouped_mm_kernel(
             else:
                 rows_done = step.to(tl.int64) * BLOCK_R
                 r_mask = offs_r < rows_left - step * BLOCK_R
+                a_ptrs = a_base + rows_done * stride_am + a_offs
+                b_ptrs = b_base + rows_done * stride_bm + b_offs
+                if GATHER_A:
+                    a_ptrs = _gathered(
+                        a_base, gather_a_ptr, row_start + rows_done, offs_r, r_mask, offs_k, stride_am, stride_ak,
+                        A_K_CONTIGUOUS,
+                    )  # fmt: skip
+                if GATHER_B:
+                    b_ptrs = _gathered(
+                        b_base,
+                        gather_b_ptr,
+                        row_start + rows_done,
+                        offs_r,
+                        r_mask,
+                        offs_n,
+                        stride_bm,
+                        stride_bn,
+                        True,
+                    )
                 acc = _k_step(
-                    a_base + rows_done * stride_am + a_offs,
-                    b_base + rows_done * stride_bm + b_offs,
+                    a_ptrs,
+                    b_ptrs,
                     r_mask,
                     k_cols,
                     n_cols,
@@ -353,10 +392,23 @@ def k_grouped_mm_kernel(
             acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
             for r in range(rows_lo, rows_hi, BLOCK_R):
                 step = r - row_start
+                r_mask = offs_r < (rows_hi - r).to(tl.int32)  # int32 (M < 2**31, KGroupedLaunch.make)
+                a_ptrs = a_base + step * stride_am + a_offs
+                b_ptrs = b_base + step * stride_bm + b_offs
+                if GATHER_A:
+                    a_ptrs = _gathered(
+                        a_ptr + (k_tile * BLOCK_K).to(tl.int64) * stride_ak, gather_a_ptr, r, offs_r, r_mask, offs_k,
+                        stride_am, stride_ak, A_K_CONTIGUOUS,
+                    )  # fmt: skip
+                if GATHER_B:
+                    b_ptrs = _gathered(
+                        b_ptr + (n_tile * BLOCK_N).to(tl.int64) * stride_bn, gather_b_ptr, r, offs_r, r_mask, offs_n,
+                        stride_bm, stride_bn, True,
+                    )  # fmt: skip
                 acc = _k_step(
-                    a_base + step * stride_am + a_offs,
-                    b_base + step * stride_bm + b_offs,
-                    offs_r < (rows_hi - r).to(tl.int32),  # int32 (M < 2**31, KGroupedLaunch.make)
+                    a_ptrs,
+                    b_ptrs,
+                    r_mask,
                     k_cols,
                     n_cols,
                     acc,
@@ -458,6 +510,8 @@ class KGroupedLaunch:
         tma_load: bool = False,
         load_pad: int = 1,
         split_r: int = 1,
+        gather_a: bool = False,
+        gather_b: bool = False,
     ) -> KGroupedLaunch:
         """max_stride: the largest row/column stride of a, b and out[g] (default: contiguous, max(K, N)).
         a_k_contiguous: a's K stride is 1 (row-major a, the default for contiguous inputs).
@@ -480,7 +534,13 @@ class KGroupedLaunch:
         split_r: >1, each tile's rows in that many slices whose fp32 partials the kernel stores into out
         [split_r, G, K, N] (a workspace; ``split_k.reduce_kernel`` sums them): the nested loop, without
         accumulation, column sums, TMA store or group offset.
+        gather_a, gather_b: a's (b's) rows are read through an int32 index per reduction row (the expert block's
+        token rows): no TMA loads, and no column sums of a gathered a.
         """
+        if gather_a and a_colsum:
+            raise ValueError("k_grouped: a gathered a takes no column sums")
+        if gather_a or gather_b:
+            tma_load = False
         if split_r > 1 and (accumulate or a_colsum or g_total is not None):
             raise ValueError(f"split_r={split_r} takes no accumulation, column sums or group offset")
         if M >= 2**31:  # the kernel's row counts (masks, steps) are int32
@@ -527,6 +587,8 @@ class KGroupedLaunch:
             TMA_STORE=tma_store,
             TMA_LOAD=tma_load,
             SPLIT_R=split_r,
+            GATHER_A=gather_a,
+            GATHER_B=gather_b,
             UPCAST=interpret,
             PRECISION="ieee" if fp32_inputs or interpret else "tf32",
             num_warps=config.num_warps,

@@ -86,6 +86,76 @@ def _m_epilogue(
 
 
 @triton.jit
+def _swiglu_columns(col0, offs_n, N: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The w columns of a SwiGLU tile and their mask: tile columns [0, BLOCK_N // 2) are gate columns
+    c = col0 // 2 + i and [BLOCK_N // 2, BLOCK_N) the up columns N // 2 + c (w13's rows [0, n) and [n, 2n)), so one
+    accumulator holds both halves of the same n columns (docs/design.md, 'Fused expert block')."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    h_cols = (col0 // 2).to(tl.int64) + (offs_n % HALF)
+    return h_cols + (offs_n // HALF) * (N // 2), h_cols < N // 2
+
+
+@triton.jit
+def _swiglu_epilogue(
+    acc, act_ptr, out_ptr, row0, row_end, col0, N: tl.constexpr, stride_om, stride_on, BM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """fc1's SwiGLU epilogue: stores the tile's pre-activation z (gate and up halves, ``_swiglu_columns``) into
+    act [M, N] (contiguous, N = 2n), rounded to act's dtype, and h = silu(gate) * up of the rounded values (what
+    the backward recomputes from z) into out [M, n]."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    offs_m = tl.arange(0, BM)
+    offs_n = tl.arange(0, BLOCK_N)
+    rows = row0 + offs_m
+    row_mask = offs_m < row_end - row0
+    z_cols, col_mask = _swiglu_columns(col0, offs_n, N, BLOCK_N)
+    z = acc.to(act_ptr.dtype.element_ty)
+    tl.store(act_ptr + rows[:, None] * N + z_cols[None, :], z, mask=row_mask[:, None] & col_mask[None, :])
+    gate, up = tl.split(tl.permute(tl.reshape(z.to(tl.float32), [BM, 2, HALF]), (0, 2, 1)))
+    h = gate * tl.sigmoid(gate) * up
+    h_cols = (col0 // 2).to(tl.int64) + tl.arange(0, HALF)
+    tl.store(
+        out_ptr + rows[:, None] * stride_om + h_cols[None, :] * stride_on,
+        h.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & (h_cols < N // 2)[None, :],
+    )
+
+
+@triton.jit
+def _swiglu_bwd_epilogue(
+    acc, act_ptr, row_scale_ptr, act_out_ptr, ds_ptr, out_ptr, M, row0, row_end, col0, N: tl.constexpr,
+    BM: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """fc2's dgrad epilogue with the SwiGLU backward: acc = dh = dy[token] @ w2[e] for the tile's n columns
+    (unweighted). From the kept pre-activation z [M, 2n] (act) and the row's routing weight s it stores
+    dz = s * dh * swiglu'(z) into out [M, 2n] (gate and up halves), the weighted activation s * h into act_out
+    [M, n] (fc2's wgrad reads it) and the tile's share of the routing weight's gradient, sum_cols(dh * h), into
+    ds [cdiv(n, BLOCK_N), M]: fc2's per-row outputs are never formed (docs/design.md, 'Fused expert block')."""
+    offs_m = tl.arange(0, BM)
+    offs_n = tl.arange(0, BLOCK_N)
+    rows = row0 + offs_m
+    cols = col0.to(tl.int64) + offs_n
+    row_mask = offs_m < row_end - row0
+    mask = row_mask[:, None] & (cols < N)[None, :]
+    z_row = rows[:, None] * (2 * N)
+    gate = tl.load(act_ptr + z_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(act_ptr + z_row + N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(row_scale_ptr + rows, mask=row_mask, other=0.0)
+    sig = tl.sigmoid(gate)
+    silu = gate * sig
+    h = (silu * up).to(act_out_ptr.dtype.element_ty)  # fc2's input as the forward rounded it
+    ds = tl.sum(tl.where(mask, acc * h.to(tl.float32), 0.0), 1)
+    tl.store(ds_ptr + (col0 // BLOCK_N).to(tl.int64) * M + rows, ds, mask=row_mask)
+    dh = acc * s[:, None]
+    dgate = dh * up * sig * (1.0 + gate * (1.0 - sig))
+    out_ty = out_ptr.dtype.element_ty
+    tl.store(out_ptr + z_row + cols[None, :], dgate.to(out_ty), mask=mask)
+    tl.store(out_ptr + z_row + N + cols[None, :], (dh * silu).to(out_ty), mask=mask)
+    hs = h.to(tl.float32) * s[:, None]
+    tl.store(act_out_ptr + rows[:, None] * N + cols[None, :], hs.to(act_out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _clipped_out_desc(out_ptr, M, N: tl.constexpr, stride_om, BM: tl.constexpr, BLOCK_N: tl.constexpr):
     """A 3-D view [M + BM, BM, N] of out whose element (t, r, n) is out[t + r - BM, n] (the two row axes
     overlap: both step by stride_om, from BM rows before out). A block [1, BM, BLOCK_N] at (t, r, col0) covers
@@ -108,6 +178,12 @@ def _m_tile(
     bias_ptr,
     out_desc,  # TMA_STORE: _clipped_out_desc's view of out; else unused
     out_ptr,
+    gather_ptr,  # GATHER: int32 [M], the x row each out row reads
+    act_ptr,  # EPILOGUE: the fc1 pre-activation z [M, 2 * n] ("swiglu": written; "swiglu_bwd": read)
+    row_scale_ptr,  # "swiglu_bwd": fp32 [M], each row's routing weight
+    act_out_ptr,  # "swiglu_bwd": [M, N], the weighted activation s * swiglu(z) (fc2's wgrad operand)
+    ds_ptr,  # "swiglu_bwd": fp32 [cdiv(N, BLOCK_N), M], per column tile: sum over its columns of dh * h
+    M,
     g,
     row0,
     row_end,
@@ -139,9 +215,12 @@ def _m_tile(
     TMA_LOAD: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    GATHER: tl.constexpr,
+    EPILOGUE: tl.constexpr,
 ):
     """One BM x BLOCK_N output tile: rows [row0, min(row0 + BM, row_end)) of group g (g == G: the
-    unowned rows, stored as zeros), columns [col0, col0 + BLOCK_N)."""
+    unowned rows, stored as zeros), columns [col0, col0 + BLOCK_N) (with EPILOGUE "swiglu", the tile's
+    columns are BLOCK_N // 2 gate columns and the matching up columns: ``_swiglu_columns``)."""
     offs_m = tl.arange(0, BM)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -162,13 +241,25 @@ def _m_tile(
     # 64-bit scalar tile origins (here and in _m_epilogue); per-element offsets stay 32-bit (WIDE_OFFSETS
     # when they can't), which keeps the pointer tensors out of the register budget of the accumulator.
     acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
-    x_base = x_ptr + row0 * stride_xm
-    w_base = w_ptr + g.to(tl.int64) * stride_wg + col0.to(tl.int64) * stride_wn
-    x_offs = offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    if W_K_CONTIGUOUS:  # nn.Linear layout: load [BLOCK_N, BLOCK_K] rows as stored, transpose in smem
-        w_offs = offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+    if GATHER:
+        # The tile's x rows by index (the expert block's token rows: docs/design.md, 'Fused expert block'):
+        # 64-bit row offsets per tile row, the k offsets as before.
+        src = tl.load(gather_ptr + row0 + offs_m, mask=row_mask, other=0).to(tl.int64)
+        x_base = x_ptr
+        x_offs = src[:, None] * stride_xm + offs_k[None, :] * stride_xk
     else:
-        w_offs = offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+        x_base = x_ptr + row0 * stride_xm
+        x_offs = offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    w_cols = offs_n  # w's columns the tile reads, from col0
+    w_col0 = col0.to(tl.int64)
+    if EPILOGUE == "swiglu":
+        w_cols, col_mask = _swiglu_columns(col0, offs_n, N, BLOCK_N)
+        w_col0 = tl.zeros((), dtype=tl.int64)
+    w_base = w_ptr + g.to(tl.int64) * stride_wg + w_col0 * stride_wn
+    if W_K_CONTIGUOUS:  # nn.Linear layout: load [BLOCK_N, BLOCK_K] rows as stored, transpose in smem
+        w_offs = w_cols[:, None] * stride_wn + offs_k[None, :] * stride_wk
+    else:
+        w_offs = offs_k[:, None] * stride_wk + w_cols[None, :] * stride_wn
     # The bases stay loop-invariant and the step enters the offsets: a loop-carried scalar pointer
     # loses its alignment facts, which stops Triton from pipelining the loads with cp.async.
     for k in range(k_begin, k_end):
@@ -200,10 +291,17 @@ def _m_tile(
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    _m_epilogue(
-        acc, bias_ptr, out_desc, out_ptr, g, row0, row_end, col0, N, bias_end, stride_om, stride_on, stride_bg,
-        stride_bn, BM, BLOCK_N, HAS_BIAS, WIDE_OFFSETS, TMA_STORE,
-    )  # fmt: skip
+    if EPILOGUE == "swiglu":
+        _swiglu_epilogue(acc, act_ptr, out_ptr, row0, row_end, col0, N, stride_om, stride_on, BM, BLOCK_N)
+    elif EPILOGUE == "swiglu_bwd":
+        _swiglu_bwd_epilogue(
+            acc, act_ptr, row_scale_ptr, act_out_ptr, ds_ptr, out_ptr, M, row0, row_end, col0, N, BM, BLOCK_N
+        )
+    else:
+        _m_epilogue(
+            acc, bias_ptr, out_desc, out_ptr, g, row0, row_end, col0, N, bias_end, stride_om, stride_on, stride_bg,
+            stride_bn, BM, BLOCK_N, HAS_BIAS, WIDE_OFFSETS, TMA_STORE,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -273,6 +371,11 @@ def m_grouped_mm_kernel(
     group_sizes_ptr,
     group_offset_ptr,  # int32 [1]: the first local group (read only with HAS_GROUP_OFFSET)
     bias_ptr,
+    gather_ptr,  # GATHER: int32 [M], the x row each out row reads
+    act_ptr,  # EPILOGUE: the fc1 pre-activation z (_swiglu_epilogue, _swiglu_bwd_epilogue)
+    row_scale_ptr,  # "swiglu_bwd": fp32 [M]
+    act_out_ptr,  # "swiglu_bwd": [M, N]
+    ds_ptr,  # "swiglu_bwd": fp32 [cdiv(N, BLOCK_N), M]
     out_ptr,
     M,
     N: tl.constexpr,
@@ -314,6 +417,11 @@ def m_grouped_mm_kernel(
     SPLIT_K: tl.constexpr,
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot is wrong on bf16 operands
     PRECISION: tl.constexpr,
+    # The expert block's options (docs/design.md, 'Fused expert block'), per-tile loop only (MGroupedLaunch.make):
+    GATHER: tl.constexpr = False,  # x's rows by index (gather_ptr): out row r = x[gather[r]] @ w[g]
+    # "" (none); "swiglu": fc1, N = 2n columns of w (gate, up), out = h [M, n] and act = z [M, 2n];
+    # "swiglu_bwd": fc2's dgrad, out = dz [M, 2n] from the kept z (act), with act_out and ds
+    EPILOGUE: tl.constexpr = "",
 ):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -425,17 +533,19 @@ def m_grouped_mm_kernel(
         if half:
             if row0 < row_end:
                 _m_tile(
-                    x_ptr, w_ptr, x_desc_half, w_desc, bias_ptr, out_desc, part_ptr, g, row0, row_end, col0,
+                    x_ptr, w_ptr, x_desc_half, w_desc, bias_ptr, out_desc, part_ptr, gather_ptr, act_ptr,
+                    row_scale_ptr, act_out_ptr, ds_ptr, M, g, row0, row_end, col0,
                     k_begin, k_end, bias_end, N, K, G, stride_xm, stride_xk, stride_wg, stride_wk, stride_wn, stride_om, stride_on,
                     stride_bg, stride_bn, HALF_M, BLOCK_N, BLOCK_K, EVEN_K, LOAD_PAD, W_K_CONTIGUOUS, HAS_BIAS,
-                    WIDE_OFFSETS, False, TMA_LOAD, UPCAST, PRECISION,
+                    WIDE_OFFSETS, False, TMA_LOAD, UPCAST, PRECISION, GATHER, EPILOGUE,
                 )  # fmt: skip
         else:
             _m_tile(
-                x_ptr, w_ptr, x_desc, w_desc, bias_ptr, out_desc, part_ptr, g, row0, row_end, col0, k_begin, k_end,
+                x_ptr, w_ptr, x_desc, w_desc, bias_ptr, out_desc, part_ptr, gather_ptr, act_ptr, row_scale_ptr,
+                act_out_ptr, ds_ptr, M, g, row0, row_end, col0, k_begin, k_end,
                 bias_end, N, K, G, stride_xm, stride_xk, stride_wg, stride_wk, stride_wn, stride_om, stride_on, stride_bg,
                 stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, LOAD_PAD, W_K_CONTIGUOUS, HAS_BIAS, WIDE_OFFSETS,
-                TMA_STORE, TMA_LOAD, UPCAST, PRECISION,
+                TMA_STORE, TMA_LOAD, UPCAST, PRECISION, GATHER, EPILOGUE,
             )  # fmt: skip
         if HAS_GROUP_OFFSET and not lower:  # a split tile's zero tiles go with its first half
             zero_begin = tile * zero_per_tile
@@ -575,6 +685,8 @@ class MGroupedLaunch:
         flat: bool = False,
         load_pad: int = 1,
         split_k: int = 1,
+        gather: bool = False,
+        epilogue: str = "",
     ) -> MGroupedLaunch:
         """max_stride: the largest row/column stride of x, w[g] and out (default: contiguous, max(K, N)).
         Element offsets inside one tile or one expert's K range are int32 unless they could overflow.
@@ -602,7 +714,24 @@ class MGroupedLaunch:
         split_k: >1, the reduction in that many slices whose fp32 partials the kernel stores into out [split_k,
         M, N] (a workspace; ``split_k.reduce_kernel`` sums them): no TMA store, half-high tiles, flat loop or
         group offset then.
+        gather: x's rows are read through an int32 index per out row (the expert block's token rows): no TMA
+        loads, hence no flat loop.
+        epilogue: "" (none), "swiglu" (N = 2n columns of w: gate then up; out [M, n] = h, the kernel's act = z
+        [M, 2n]) or "swiglu_bwd" (out [M, 2n] = dz; docs/design.md, 'Fused expert block'): masked stores of
+        their own, so no TMA store, split-K or group offset.
         """
+        if epilogue not in ("", "swiglu", "swiglu_bwd"):
+            raise ValueError(f"unknown epilogue {epilogue!r}")
+        if epilogue and (split_k > 1 or g_total is not None):
+            raise ValueError(
+                f"epilogue {epilogue!r} takes no split_k ({split_k}) or group offset ({g_total})"
+            )
+        if epilogue == "swiglu" and (N % 2 or config.block_n % 2):
+            raise ValueError(f"the SwiGLU epilogue needs an even N and BLOCK_N, got N={N}, {config.block_n}")
+        if gather:
+            tma_load = flat = False
+        if epilogue:
+            tma_store = False
         if split_k > 1 and g_total is not None:
             raise ValueError(f"split_k={split_k} takes no group offset (g_total={g_total})")
         if split_k > 1:
@@ -642,6 +771,8 @@ class MGroupedLaunch:
             SPLIT_K=split_k,
             UPCAST=interpret,
             PRECISION="ieee" if fp32_inputs or interpret else "tf32",
+            GATHER=gather,
+            EPILOGUE=epilogue,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )

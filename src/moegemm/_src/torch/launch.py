@@ -19,6 +19,7 @@ import triton
 from triton.runtime import _allocation
 
 from moegemm._src import plan
+from moegemm._src.kernels import combine as combine_kernels
 from moegemm._src.kernels import k_grouped_ws as k_ws
 from moegemm._src.kernels import split_k as split_k_kernels
 from moegemm._src.kernels import stage_rows
@@ -262,6 +263,7 @@ def _device_guard(device: torch.device):
 M_GROUPED = DirectLaunch(m_grouped_mm_kernel)
 STAGE_ROWS = DirectLaunch(stage_rows.stage_rows_kernel)
 SPLIT_REDUCE = DirectLaunch(split_k_kernels.reduce_kernel)
+COMBINE = DirectLaunch(combine_kernels.combine_kernel)
 K_GROUPED = DirectLaunch(k_grouped_mm_kernel)
 K_GROUPED_WS = DirectLaunch(k_ws.k_grouped_mm_ws_kernel, descriptors=True)
 
@@ -270,10 +272,12 @@ def clear_launch_cache() -> None:
     """Forget memoized and bound launches (after the config cache or pick_config changed, e.g. while tuning)."""
     _m_launch.cache_clear()
     _k_launch.cache_clear()
+    _fused_launch.cache_clear()
     _k_ws_launch.cache_clear()
     M_GROUPED.clear()
     STAGE_ROWS.clear()
     SPLIT_REDUCE.clear()
+    COMBINE.clear()
     K_GROUPED.clear()
     K_GROUPED_WS.clear()
 
@@ -458,9 +462,194 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
     if chosen.scratch:
         _ensure_allocator()  # descriptors made in the kernel: Triton allocates their scratch
     # No group offset (HAS_GROUP_OFFSET=False): the kernel never reads that slot; group_sizes fills it.
-    M_GROUPED.launch(spec, (x, w, group_sizes, group_sizes, b, dst), ints, lambda: chosen)
+    # The expert block's pointers (gather, act, row_scale, act_out, ds) are not read without its options.
+    M_GROUPED.launch(
+        spec, (x, w, group_sizes, group_sizes, b, group_sizes, x, x, x, x, dst), ints, lambda: chosen
+    )
     if split_k > 1:
         _reduce_splits(dst, out, 0, (0, *so))
+
+
+@functools.lru_cache(maxsize=1024)
+def _fused_launch(op, M, N, K, G, dtype, device, max_stride, k_contiguous, gather, epilogue) -> plan.Plan:
+    """The plan of one of the expert block's launches (``launch_m_grouped_fused``, ``launch_k_grouped_fused``):
+    k_contiguous is w's (m-grouped) or a's (k-grouped) K stride being 1."""
+    problem = plan.Problem(
+        op,
+        M,
+        N,
+        K,
+        G,
+        _dtype_name(dtype),
+        out_itemsize=dtype.itemsize,
+        max_stride=max_stride,
+        w_k_contiguous=k_contiguous if op == plan.M_GROUPED else False,
+        a_k_contiguous=k_contiguous if op == plan.K_GROUPED else True,
+        gather=gather,
+        epilogue=epilogue,
+    )
+    return plan.plan(problem, _target(device), CAPABILITIES)
+
+
+def _contiguous(name: str, t: torch.Tensor | None) -> None:
+    if t is not None and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got shape {tuple(t.shape)} strides {t.stride()}")
+
+
+def launch_m_grouped_fused(
+    x, w, group_sizes, out, *, gather=None, epilogue="", act=None, row_scale=None, act_out=None
+) -> torch.Tensor | None:
+    """The expert block's m-grouped launches (docs/design.md, 'Fused expert block'), W = w [G, K, N] (any
+    strides; an nn.Linear-layout weight [G, N, K] passed as its .mT view), M = out's rows:
+
+    - ``for g: out[rows(g)] = x[gather[rows(g)]] @ W[g]`` with ``gather`` int32 [M] (else x's own rows);
+    - epilogue "swiglu": N = 2n, act [M, 2n] = z = that product, out [M, n] = silu(z[:, :n]) * z[:, n:];
+    - epilogue "swiglu_bwd": the product is dh [M, n]; from act = z [M, 2n] and row_scale s [M] (fp32) it writes
+      out [M, 2n] = dz, act_out [M, n] = s * h, and returns ds [cdiv(n, BLOCK_N), M] fp32, the per-column-tile
+      sums of dh * h (BLOCK_N is the plan's; None for the other epilogues).
+    act, out (with "swiglu_bwd") and act_out are contiguous."""
+    M = out.shape[0]
+    G, K, N = w.shape
+    sw, sx, so = w.stride(), x.stride(), out.stride()
+    for name, t in (("act", act), ("act_out", act_out)):
+        _contiguous(name, t)
+    if epilogue == "swiglu_bwd":
+        _contiguous("out", out)
+    w_k_contiguous = sw[1] == 1 and sw[2] != 1
+    spec = (
+        plan.M_GROUPED,
+        M,
+        N,
+        K,
+        G,
+        x.dtype,
+        x.device,
+        max(map(abs, (*sx, sw[1], sw[2], *so))),
+        w_k_contiguous,
+        ("x",) if gather is not None else (),
+        epilogue,
+    )
+    chosen = _fused_launch(*spec)
+    ds = None
+    if epilogue == "swiglu_bwd":
+        ds = torch.empty(triton.cdiv(N, chosen.meta["BLOCK_N"]), M, dtype=torch.float32, device=out.device)
+    if M == 0 or N == 0:
+        return ds
+    tensors = (
+        x,
+        w,
+        group_sizes,
+        group_sizes,
+        x,  # no bias
+        group_sizes if gather is None else gather,
+        x if act is None else act,
+        x if row_scale is None else row_scale,
+        x if act_out is None else act_out,
+        x if ds is None else ds,
+        out,
+    )
+    ints = (M, N, K, G, G, *sx, *sw, *so, 0, 0)
+    M_GROUPED.launch(spec, tensors, ints, lambda: chosen)
+    return ds
+
+
+class _CombineLaunch:
+    """The launch description of one combine_kernel launch."""
+
+    def __init__(self, T: int, D: int, top_k: int, stride_rm: int, stride_om: int, has_weight: bool) -> None:
+        self.grid = combine_kernels.grid(T, D)
+        self.meta = dict(
+            D=D,
+            TOP_K=top_k,
+            stride_rm=stride_rm,
+            stride_om=stride_om,
+            HAS_WEIGHT=has_weight,
+            BLOCK_T=combine_kernels.BLOCK_T,
+            BLOCK_D=combine_kernels.BLOCK_D,
+            num_warps=combine_kernels.NUM_WARPS,
+        )
+
+
+def launch_combine(rows, pos, weight, out) -> None:
+    """out [T, D] = for t: sum_j weight[t, j] * rows[pos[t, j]] (weight None: 1), j in order; rows [R, D], pos
+    [T, k] int32 contiguous, weight [T, k] contiguous; unit column strides."""
+    T, top_k = pos.shape
+    R, D = rows.shape
+    if T == 0 or D == 0:
+        return
+    if R == 0:  # no rows to read (k = 0): every token sums nothing
+        out.zero_()
+        return
+    _contiguous("pos", pos)
+    _contiguous("weight", weight)
+    if rows.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError(
+            f"combine: rows and out need unit column strides, got {rows.stride()} and {out.stride()}"
+        )
+    spec = (
+        "combine",
+        D,
+        top_k,
+        rows.stride(0),
+        out.stride(0),
+        weight is not None,
+        rows.dtype,
+        out.dtype,
+        out.device,
+    )
+    COMBINE.launch(
+        spec,
+        (rows, pos, pos if weight is None else weight, out),
+        (T, R),
+        lambda: _CombineLaunch(T, D, top_k, rows.stride(0), out.stride(0), weight is not None),
+    )
+
+
+def launch_k_grouped_fused(a, b, group_sizes, out, *, gather_a=None, gather_b=None) -> None:
+    """The expert block's wgrads: ``for g: out[g] = A[rows(g)]^T @ B[rows(g)]``, out [G, K, N], where A's row r is
+    a[gather_a[r]] (else a[r]) and B's likewise; M = the rows (the gather's length, else a's). Groups with no rows
+    get exact zeros."""
+    M = gather_a.shape[0] if gather_a is not None else a.shape[0]
+    K, N = a.shape[1], b.shape[1]
+    G = group_sizes.shape[0]
+    sa, sb, so = a.stride(), b.stride(), out.stride()
+    gather = (("a",) if gather_a is not None else ()) + (("b",) if gather_b is not None else ())
+    spec = (
+        plan.K_GROUPED,
+        M,
+        N,
+        K,
+        G,
+        a.dtype,
+        a.device,
+        max(map(abs, (*sa, *sb, so[1], so[2]))),
+        sa[1] == 1 and sa[0] != 1,
+        gather,
+        "",
+    )
+    if G == 0 or K == 0 or N == 0:
+        return
+    chosen = _fused_launch(*spec)
+    split = chosen.meta["SPLIT_R"]
+    dst = out
+    if split > 1:
+        dst = torch.empty((split, G, K, N), dtype=torch.float32, device=out.device)
+    tensors = (
+        a,
+        b,
+        group_sizes,
+        group_sizes,
+        dst,
+        dst,  # no column sums
+        group_sizes if gather_a is None else gather_a,
+        group_sizes if gather_b is None else gather_b,
+        dst,
+    )
+    K_GROUPED.launch(
+        spec, tensors, (M, N, K, G, G, *sa, *sb, *((K * N, N, 1) if split > 1 else so), 0, 0), lambda: chosen
+    )
+    if split > 1:
+        _reduce_splits(dst.view(split, G * K, N), out, K, so)
 
 
 _GL_DTYPES = {torch.bfloat16: k_ws.gl.bfloat16, torch.float16: k_ws.gl.float16} if k_ws.supported() else {}
@@ -560,7 +749,7 @@ def launch_k_grouped(a, b, group_sizes, out, accumulate: bool, a_colsum=None) ->
         _ensure_allocator()  # descriptors made in the kernel: Triton allocates their scratch
     K_GROUPED.launch(
         spec,
-        (a, b, group_sizes, group_sizes, dst, colsum, dst),
+        (a, b, group_sizes, group_sizes, dst, colsum, group_sizes, group_sizes, dst),
         (M, N, K, G, G, *sa, *sb, *((K * N, N, 1) if split > 1 else so), *ss),
         lambda: chosen,
     )

@@ -1,0 +1,212 @@
+"""The PyTorch glue of the expert block (``moegemm.torch.moe``): routing metadata, forward, backward.
+
+Ops (torch.library, with fake impls; inputs validated by ``moegemm.torch.moe``)::
+
+    moegemm::moe_experts      (x, topk_ids, topk_weights, w13, w2) -> (out, z, gather, pos, group_sizes, row_scale)
+    moegemm::moe_experts_bwd  (dout, x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_scale)
+                              -> (dx, dw13, dw2, dtopk_weights)
+
+The forward's extra outputs are what the backward keeps besides x (docs/design.md, 'Fused expert block'): the fc1
+pre-activation z [R, 2n] and the integer routing metadata (``Routing``); R = T * k rows, one per (token, choice).
+Eager calls skip the dispatcher (its Python cost is ~55 us a call, as for the GEMM ops) and run the same forward
+and backward definitions inside an autograd.Function.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from moegemm._src.torch import ops as _ops
+from moegemm._src.torch.launch import launch_combine, launch_k_grouped_fused, launch_m_grouped_fused
+from moegemm.torch import reference
+
+
+class Routing(NamedTuple):
+    """The expert block's routing metadata, built on the device (no sync) from topk_ids [T, k] and E experts.
+
+    Row r of the grouped layout (R = T * k rows, expert-major, stable in (token, choice) order) holds one (token,
+    choice) pair a = order[r], where order sorts the clamped ids ``clamp(topk_ids.flatten(), 0, E - 1)``:
+
+    - gather [R] int32: the token of row r, ``order[r] // k`` (fc1 reads x[gather[r]]);
+    - pos [T, k] int32: the row of (t, j), the inverse of order (the combine reads rows pos[t, :]);
+    - group_sizes [E] int32: rows per expert (an expert nobody chose has 0);
+    - row_scale [R] fp32: the routing weight of row r, a non-finite weight counted as 0.
+
+    Example: T = 2, k = 2, E = 3, topk_ids = [[2, 0], [0, 2]] -> order = [1, 2, 0, 3], gather = [0, 1, 0, 1],
+    pos = [[2, 0], [1, 3]], group_sizes = [2, 0, 2] (expert 1 empty).
+    """
+
+    gather: torch.Tensor
+    pos: torch.Tensor
+    group_sizes: torch.Tensor
+    row_scale: torch.Tensor
+
+
+def routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, E: int) -> Routing:
+    """``Routing`` of topk_ids [T, k] and topk_weights [T, k] over E experts (device ops, no host sync:
+    counts by scatter-add, where bincount would read the ids' maximum on the host)."""
+    T, k = topk_ids.shape
+    R = T * k
+    flat = topk_ids.reshape(-1).to(torch.int64).clamp(0, max(E - 1, 0))
+    order = torch.argsort(flat, stable=True)
+    group_sizes = torch.zeros(E, dtype=torch.int32, device=flat.device)
+    group_sizes.scatter_add_(0, flat, torch.ones(R, dtype=torch.int32, device=flat.device))
+    gather = torch.div(order, max(k, 1), rounding_mode="floor").to(torch.int32)
+    pos = torch.empty(R, dtype=torch.int32, device=flat.device)
+    pos[order] = torch.arange(R, dtype=torch.int32, device=flat.device)
+    weights = topk_weights.reshape(-1).to(torch.float32)
+    weights = torch.where(torch.isfinite(weights), weights, torch.zeros_like(weights))
+    return Routing(gather, pos.view(T, k), group_sizes, weights[order])
+
+
+# ---------------------------------------------------------------- forward and backward definitions
+
+
+def _forward(x, topk_ids, topk_weights, w13, w2):
+    """(out [T, d], z [R, 2n], *Routing): fc1 with the gather prologue and SwiGLU epilogue, fc2, combine."""
+    T, d = x.shape
+    E, two_n, _ = w13.shape
+    r = routing(topk_ids, topk_weights, E)
+    R = r.gather.shape[0]
+    z = _ops.empty(R, two_n, dtype=x.dtype, device=x.device)
+    h = _ops.empty(R, two_n // 2, dtype=x.dtype, device=x.device)
+    launch_m_grouped_fused(x, w13.mT, r.group_sizes, h, gather=r.gather, epilogue="swiglu", act=z)
+    y = _ops.empty(R, d, dtype=x.dtype, device=x.device)
+    launch_m_grouped_fused(h, w2.mT, r.group_sizes, y)
+    del h
+    out = _ops.empty(T, d, dtype=x.dtype, device=x.device)
+    launch_combine(y, r.pos, topk_weights.contiguous(), out)
+    return out, z, *r
+
+
+def _backward(dout, x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_scale):
+    """(dx, dw13, dw2, dtopk_weights). fc2's dgrad carries the SwiGLU backward and the routing weights'
+    gradient in its epilogue (dz, s * h and per-tile sums of dh * h); the wgrads read x's and dout's rows by
+    token index; dx sums each token's k rows of dz @ w13[e]."""
+    T, d = x.shape
+    E, two_n, _ = w13.shape
+    R = gather.shape[0]
+    dout = dout.contiguous()
+    dz = _ops.empty(R, two_n, dtype=x.dtype, device=x.device)
+    hs = _ops.empty(R, two_n // 2, dtype=x.dtype, device=x.device)
+    ds = launch_m_grouped_fused(
+        dout,
+        w2,
+        group_sizes,
+        dz,
+        gather=gather,
+        epilogue="swiglu_bwd",
+        act=z,
+        row_scale=row_scale,
+        act_out=hs,
+    )
+    dw2 = _ops.empty(E, d, two_n // 2, dtype=w2.dtype, device=x.device)
+    launch_k_grouped_fused(dout, hs, group_sizes, dw2, gather_a=gather)
+    del hs
+    dw13 = _ops.empty(E, two_n, d, dtype=w13.dtype, device=x.device)
+    launch_k_grouped_fused(dz, x, group_sizes, dw13, gather_b=gather)
+    dx_rows = _ops.empty(R, d, dtype=x.dtype, device=x.device)
+    launch_m_grouped_fused(dz, w13, group_sizes, dx_rows)
+    del dz
+    dx = _ops.empty(T, d, dtype=x.dtype, device=x.device)
+    launch_combine(dx_rows, pos, None, dx)
+    # The routing weights' gradient <dout[t], y_row>: the fc2 epilogue's per-tile sums, added in tile order.
+    dweights = (
+        ds.sum(0)[pos.view(-1).long()].view(pos.shape) if R else x.new_zeros(pos.shape, dtype=torch.float32)
+    )
+    return dx, dw13, dw2, dweights.to(topk_weights.dtype)
+
+
+# ---------------------------------------------------------------- custom ops (what tracing records)
+
+
+@torch.library.custom_op("moegemm::moe_experts", mutates_args=())
+def moe_experts_op(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward(x, topk_ids, topk_weights, w13, w2)
+
+
+@moe_experts_op.register_fake
+def _(x, topk_ids, topk_weights, w13, w2):
+    T, d = x.shape
+    R = T * topk_ids.shape[1]
+    index = dict(dtype=torch.int32)
+    return (
+        x.new_empty(T, d),
+        x.new_empty(R, w13.shape[1]),
+        x.new_empty(R, **index),
+        x.new_empty(topk_ids.shape, **index),
+        x.new_empty(w13.shape[0], **index),
+        x.new_empty(R, dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("moegemm::moe_experts_bwd", mutates_args=())
+def moe_experts_bwd_op(
+    dout: torch.Tensor,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    z: torch.Tensor,
+    gather: torch.Tensor,
+    pos: torch.Tensor,
+    group_sizes: torch.Tensor,
+    row_scale: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(dout, x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_scale)
+
+
+@moe_experts_bwd_op.register_fake
+def _(dout, x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_scale):
+    return (
+        x.new_empty(x.shape),
+        w13.new_empty(w13.shape),
+        w2.new_empty(w2.shape),
+        topk_weights.new_empty(pos.shape),
+    )
+
+
+def _setup(ctx, inputs, output):
+    x, _, topk_weights, w13, w2 = inputs
+    _, z, gather, pos, group_sizes, row_scale = output
+    ctx.save_for_backward(x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_scale)
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _backward_from_ctx(ctx, dout, *_):
+    x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_scale = ctx.saved_tensors
+    args = (dout, x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_scale)
+    if _ops._eager(*args):
+        dx, dw13, dw2, dweights = _backward(*args)
+    else:
+        dx, dw13, dw2, dweights = moe_experts_bwd_op(*args)
+    return dx, None, dweights, dw13, dw2
+
+
+moe_experts_op.register_autograd(_backward_from_ctx, setup_context=_setup)
+
+
+class _MoEFunction(torch.autograd.Function):
+    """Eager twin of moegemm::moe_experts's autograd: the same setup_context and backward."""
+
+    @staticmethod
+    def forward(x, topk_ids, topk_weights, w13, w2):
+        return _forward(x, topk_ids, topk_weights, w13, w2)
+
+    setup_context = staticmethod(_setup)
+    backward = staticmethod(_backward_from_ctx)
+
+
+def moe_experts(x, topk_ids, topk_weights, w13, w2, backend: str) -> torch.Tensor:
+    """The block's out [T, d] (``moegemm.torch.moe.moe_experts``), differentiable in x, topk_weights, w13, w2."""
+    if backend == "reference":
+        return reference.moe_experts_reference(x, topk_ids, topk_weights, w13, w2)
+    if not _ops._eager(x, topk_ids, topk_weights, w13, w2):
+        return moe_experts_op(x, topk_ids, topk_weights, w13, w2)[0]
+    if _ops._needs_grad(x, topk_weights, w13, w2):
+        return _MoEFunction.apply(x, topk_ids, topk_weights, w13, w2)[0]
+    return _forward(x, topk_ids, topk_weights, w13, w2)[0]

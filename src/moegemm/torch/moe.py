@@ -1,0 +1,118 @@
+"""The MoE expert block as one op: gather -> fc1 + SwiGLU -> fc2 -> weighted combine, forward and backward.
+
+``moe_experts(x, topk_ids, topk_weights, w13, w2)``::
+
+    out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u),  (g, u) = split(w13[e] @ x[t]),  e = topk_ids[t, j]
+
+Shapes: x [T, d]; topk_ids [T, k] int32/int64; topk_weights [T, k] float; w13 [E, 2n, d] (rows [0, n) the gate,
+[n, 2n) the up projection: transformers' ``gate_up_proj`` layout); w2 [E, d, n]; out [T, d] in x's dtype.
+Differentiable in x, w13, w2 and topk_weights. The kernels (docs/design.md, 'Fused expert block'): fc1 reads
+x's rows by token index (no permuted copy of x) and applies SwiGLU in its epilogue, writing the pre-activation
+the backward keeps; fc2 writes each (token, choice) row once, and a combine kernel sums each token's k rows in
+a fixed order (deterministic). The backward keeps x, the fc1 pre-activation and the routing metadata.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moegemm._src.torch import moe as _moe
+from moegemm._src.torch.args import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    Backend,
+    check_same,
+    checks_enabled,
+    resolve_backend,
+)
+
+__all__ = ["ACTIVATIONS", "moe_experts"]
+
+ACTIVATIONS = ("swiglu",)
+
+
+def check_moe_shapes(x, topk_ids, topk_weights, w13, w2) -> None:
+    """Raises ValueError naming the shapes unless x [T, d], topk_ids/topk_weights [T, k], w13 [E, 2n, d] and
+    w2 [E, d, n] agree."""
+    shapes = (
+        f"x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, topk_weights {tuple(topk_weights.shape)}, "
+        f"w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}"
+    )
+    if x.dim() != 2 or topk_ids.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(
+            f"moe_experts: want x [T, d], topk_ids [T, k], w13 [E, 2n, d], w2 [E, d, n]; got {shapes}"
+        )
+    T, d = x.shape
+    E, two_n, d13 = w13.shape
+    if topk_ids.shape[0] != T or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"moe_experts: topk_ids and topk_weights must both be [T={T}, k]; got {shapes}")
+    if two_n % 2 or d13 != d or tuple(w2.shape) != (E, d, two_n // 2):
+        raise ValueError(
+            f"moe_experts: want w13 [E, 2n, d={d}] (gate rows then up rows) and w2 [E, d, n]; got {shapes}"
+        )
+    if E == 0 and T * topk_ids.shape[1] > 0:
+        raise ValueError(f"moe_experts: no experts (E = 0) for {T} tokens; got {shapes}")
+
+
+def check_routing_values(topk_ids: torch.Tensor, topk_weights: torch.Tensor, E: int) -> None:
+    """The syncing check (``check=True`` / MOEGEMM_CHECK=1): every id in [0, E), every weight finite."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("check=True syncs the host and cannot run inside CUDA graph capture")
+    bad = ((topk_ids < 0) | (topk_ids >= E)).nonzero()
+    if bad.numel():
+        t, j = bad[0].tolist()
+        raise ValueError(
+            f"moe_experts: topk_ids[{t}, {j}] = {int(topk_ids[t, j])} is outside [0, E={E}) "
+            f"({bad.shape[0]} such entries)"
+        )
+    bad = (~torch.isfinite(topk_weights)).nonzero()
+    if bad.numel():
+        t, j = bad[0].tolist()
+        raise ValueError(
+            f"moe_experts: topk_weights[{t}, {j}] = {float(topk_weights[t, j])} is not finite "
+            f"({bad.shape[0]} such entries)"
+        )
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    activation: str = "swiglu",
+    fp8_recipe: str | None = None,
+    check: bool | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """The routed expert block (module docstring): x [T, d], topk_ids [T, k], topk_weights [T, k], w13 [E, 2n, d],
+    w2 [E, d, n] -> out [T, d] in x's dtype, fp32 accumulation.
+
+    ``for t: out[t] = sum_j topk_weights[t, j] * w2[e] @ swiglu(w13[e] @ x[t])``, e = topk_ids[t, j].
+
+    Duplicate experts in a token's top-k each count; k = 1 and T = 0 are allowed. An id outside [0, E) is
+    clamped into it and a non-finite weight counts as 0 (no read or write out of bounds, no sync);
+    ``check=True`` (or MOEGEMM_CHECK=1) syncs and raises naming the first bad value. ``backend``: "triton"
+    (the fused kernels), "reference" (``moe_experts_reference``), "auto". No host sync in forward or backward.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"moe_experts: activation {activation!r}; supported: {ACTIVATIONS}")
+    if fp8_recipe is not None:
+        raise NotImplementedError(
+            f"moe_experts: fp8_recipe={fp8_recipe!r}: the FP8 expert block is not built yet (bf16/fp16/fp32 only)"
+        )
+    check_moe_shapes(x, topk_ids, topk_weights, w13, w2)
+    check_same("x, w13 and w2", x, w13, w2)
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"moe_experts: x, w13 and w2 must be one of {FLOAT_DTYPES}, got {x.dtype}")
+    if topk_ids.dtype not in INDEX_DTYPES:
+        raise ValueError(f"moe_experts: topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if not topk_weights.dtype.is_floating_point:
+        raise ValueError(f"moe_experts: topk_weights must be a float tensor, got {topk_weights.dtype}")
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if t.device != x.device:
+            raise ValueError(f"moe_experts: {name} is on {t.device}, x on {x.device}")
+    if checks_enabled(check):
+        check_routing_values(topk_ids, topk_weights, w13.shape[0])
+    return _moe.moe_experts(x, topk_ids, topk_weights, w13, w2, resolve_backend(backend, x.device))
