@@ -399,11 +399,18 @@ def _slices(c: Constraints, t: Target, config, tiles: int, steps: int, partial_e
     return split if split >= 2 else 1
 
 
+# The widest tile the SwiGLU backward epilogue takes (docs/design.md, 'Fused expert block'): at 128 x 256 its
+# registers spilled 1.8 KB on sm_90a even worked in two column halves; 128 x 128 spills 8 bytes.
+SWIGLU_BWD_MAX_BLOCK_N = 128
+
+
 def _plan_m(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> Plan:
     tma_store, tma_load = _tma(p, t, caps, c)
     tma_load = tma_load and not p.gather  # gathered rows have no descriptor (MGroupedLaunch.make)
     # The m-grouped TMA-only candidates were measured on forward launches (K-contiguous w) with TMA loads.
     config = _pick(M_GROUPED, p, t, c, tma_load and p.w_k_contiguous)
+    if p.epilogue == "swiglu_bwd" and t.name != "interpret" and config.block_n > SWIGLU_BWD_MAX_BLOCK_N:
+        config = _override(c, M_GROUPED, p, t, dataclasses.replace(config, block_n=SWIGLU_BWD_MAX_BLOCK_N))
     split_k = 1 if p.epilogue else _split_k(p, t, caps, c, config)
     launch = MGroupedLaunch.make(
         p.M,

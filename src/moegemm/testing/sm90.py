@@ -30,6 +30,7 @@ from triton.backends.compiler import GPUTarget
 
 from moegemm._src import configs
 from moegemm._src.kernels import (
+    combine,
     k_grouped,
     k_grouped_fp8_ws,
     k_grouped_ws,
@@ -276,6 +277,52 @@ def _k_grouped(
     return k_grouped.k_grouped_mm_kernel, meta, pointers, values
 
 
+def _moe(op: str):
+    """The expert block's launches at Qwen3-30B-A3B's sizes (T 32768, k 8: R = 262144 rows; d 2048, n 768, E 128),
+    with the config the H100 plan picks (docs/design.md, 'Fused expert block'): "fc1" (gather, SwiGLU), "fc2",
+    "fc2-dgrad" (gather, SwiGLU backward), "fc1-wgrad" (b gathered), "fc2-wgrad" (a gathered), "combine"."""
+    from moegemm._src import plan
+
+    R, d, n, E = 262144, 2048, 768, 128
+    target = plan.Target("sm90", "NVIDIA H100 80GB HBM3", 132)
+    caps = plan.Capabilities(host_descriptors=True, global_scratch=True, gluon=False, workspace=True)
+    if op == "combine":
+        meta = dict(D=d, TOP_K=8, stride_rm=d, stride_om=d, HAS_WEIGHT=True, BLOCK_T=combine.BLOCK_T,
+                    BLOCK_D=combine.BLOCK_D, num_warps=combine.NUM_WARPS)  # fmt: skip
+        pointers = {"rows_ptr": "*bf16", "pos_ptr": "*i32", "weight_ptr": "*fp32", "out_ptr": "*bf16"}
+        return combine.combine_kernel, meta, pointers, dict(T=32768, R=R)
+    if op.endswith("wgrad"):
+        Kw, Nw, gather = (2 * n, d, ("b",)) if op == "fc1-wgrad" else (d, n, ("a",))
+        problem = plan.Problem(plan.K_GROUPED, R, Nw, Kw, E, "bfloat16", gather=gather)
+        chosen = plan.plan(problem, target, caps)
+        pointers, values = _k_args(R, Nw, Kw, E)
+        return k_grouped.k_grouped_mm_kernel, dict(chosen.meta), pointers, values
+    Nm, Km, k_contiguous, gather, epilogue = {
+        "fc1": (2 * n, d, True, ("x",), "swiglu"),
+        "fc2": (d, n, True, (), ""),
+        "fc2-dgrad": (n, d, False, ("x",), "swiglu_bwd"),
+    }[op]
+    problem = plan.Problem(
+        plan.M_GROUPED,
+        R,
+        Nm,
+        Km,
+        E,
+        "bfloat16",
+        w_k_contiguous=k_contiguous,
+        gather=gather,
+        epilogue=epilogue,
+    )
+    chosen = plan.plan(problem, target, caps)
+    pointers, values = _m_args(R, Nm, Km, E, w_k_contiguous=k_contiguous)
+    return (
+        m_grouped.m_grouped_mm_kernel,
+        {**chosen.meta, "ctas_per_sm": chosen.config.ctas_per_sm},
+        pointers,
+        values,
+    )
+
+
 # Every candidate that MGroupedLaunch / KGroupedLaunch lets store through TMA: their shared-memory
 # estimates (m_grouped.tma_store_fits, k_grouped.tma_store_fits) must hold for what the compiler allocates.
 _TMA_STORE_CANDIDATES = {
@@ -368,6 +415,10 @@ KERNELS = {
         f"split-{op}-M{rows}": (lambda op=op, rows=rows: _split(op, rows))
         for op in ("m_grouped", "k_grouped", "reduce", "stage_rows")
         for rows in (1, 4096)
+    },
+    **{
+        f"moe-{op}": (lambda op=op: _moe(op))
+        for op in ("fc1", "fc2", "fc2-dgrad", "fc1-wgrad", "fc2-wgrad", "combine")
     },
     "m_grouped_fp8_ws": _m_grouped_fp8_ws,
     "k_grouped_ws": _k_grouped_ws,

@@ -5,17 +5,21 @@ k_grouped_mm(a, b, group_sizes)     for g: out[g] = a[rows(g)]^T @ b[rows(g)]   
 GroupedLinear(G, K, N)              G nn.Linear experts over contiguous row groups (fp8_recipe=...)
 quantize_fp8(x, recipe, ...)        an Fp8Tensor, which the ops and the twins take in place of a tensor
 moe_experts(x, ids, weights, w13, w2)  the routed expert block: gather, fc1 + SwiGLU, fc2, weighted combine
+MoE(dim, hidden_dim, E, top_k)      router (+ shared experts) + moe_experts
 """
 
 from moegemm._src.torch.fp8_tensor import Fp8Tensor
 from moegemm.torch.api import k_grouped_mm, m_grouped_mm, quantize_fp8
 from moegemm.torch.grouped_linear import GroupedLinear
 from moegemm.torch.moe import moe_experts
+from moegemm.torch.moe_layer import MoE, Router
 from moegemm.torch.reference import k_grouped_mm_reference, m_grouped_mm_reference, moe_experts_reference
 
 __all__ = [
     "Fp8Tensor",
     "GroupedLinear",
+    "MoE",
+    "Router",
     "k_grouped_mm",
     "k_grouped_mm_reference",
     "m_grouped_mm",

@@ -65,8 +65,10 @@ def _gathered(base, gather_ptr, r, offs_r, r_mask, offs_c, stride_m, stride_c, C
     else [C, BLOCK_R]."""
     src = tl.load(gather_ptr + r + offs_r, mask=r_mask, other=0).to(tl.int64) * stride_m
     if C_CONTIGUOUS:
-        return base + (src[:, None] + offs_c[None, :] * stride_c)
-    return base + (offs_c[:, None] * stride_c + src[None, :])
+        ptrs = base + (src[:, None] + offs_c[None, :] * stride_c)
+    else:  # one return: Triton 3.6 types every return of a function alike, constexpr branches included
+        ptrs = base + (offs_c[:, None] * stride_c + src[None, :])
+    return ptrs
 
 
 @triton.jit

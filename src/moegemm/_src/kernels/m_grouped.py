@@ -130,29 +130,46 @@ def _swiglu_bwd_epilogue(
     (unweighted). From the kept pre-activation z [M, 2n] (act) and the row's routing weight s it stores
     dz = s * dh * swiglu'(z) into out [M, 2n] (gate and up halves), the weighted activation s * h into act_out
     [M, n] (fc2's wgrad reads it) and the tile's share of the routing weight's gradient, sum_cols(dh * h), into
-    ds [cdiv(n, BLOCK_N), M]: fc2's per-row outputs are never formed (docs/design.md, 'Fused expert block')."""
-    offs_m = tl.arange(0, BM)
-    offs_n = tl.arange(0, BLOCK_N)
-    rows = row0 + offs_m
-    cols = col0.to(tl.int64) + offs_n
-    row_mask = offs_m < row_end - row0
+    ds [cdiv(n, BLOCK_N), M]: fc2's per-row outputs are never formed (docs/design.md, 'Fused expert block').
+    The tile is worked in two column halves: the whole tile's z, activation and gradients at once spilled
+    (1.8 KB at 128 x 128, 8 warps: sm_90a compile)."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    rows = row0 + tl.arange(0, BM)
+    row_mask = tl.arange(0, BM) < row_end - row0
+    s = tl.load(row_scale_ptr + rows, mask=row_mask, other=0.0)
+    left, right = tl.split(tl.permute(tl.reshape(acc, [BM, 2, HALF]), (0, 2, 1)))
+    ds = _swiglu_bwd_columns(left, act_ptr, act_out_ptr, out_ptr, rows, row_mask, s, col0, N, HALF)
+    ds += _swiglu_bwd_columns(right, act_ptr, act_out_ptr, out_ptr, rows, row_mask, s, col0 + HALF, N, HALF)
+    tl.store(ds_ptr + (col0 // BLOCK_N).to(tl.int64) * M + rows, ds, mask=row_mask)
+
+
+@triton.jit
+def _swiglu_bwd_columns(
+    dh, act_ptr, act_out_ptr, out_ptr, rows, row_mask, s, col0, N: tl.constexpr, WIDTH: tl.constexpr
+):
+    """``_swiglu_bwd_epilogue`` on columns [col0, col0 + WIDTH) of n: stores dz's gate and up columns and s * h,
+    returns the rows' sums of dh * h over these columns."""
+    cols = col0.to(tl.int64) + tl.arange(0, WIDTH)
     mask = row_mask[:, None] & (cols < N)[None, :]
     z_row = rows[:, None] * (2 * N)
     gate = tl.load(act_ptr + z_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(act_ptr + z_row + N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(row_scale_ptr + rows, mask=row_mask, other=0.0)
     sig = tl.sigmoid(gate)
     silu = gate * sig
+    up = tl.load(act_ptr + z_row + N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     h = (silu * up).to(act_out_ptr.dtype.element_ty)  # fc2's input as the forward rounded it
-    ds = tl.sum(tl.where(mask, acc * h.to(tl.float32), 0.0), 1)
-    tl.store(ds_ptr + (col0 // BLOCK_N).to(tl.int64) * M + rows, ds, mask=row_mask)
-    dh = acc * s[:, None]
-    dgate = dh * up * sig * (1.0 + gate * (1.0 - sig))
+    tl.store(
+        act_out_ptr + rows[:, None] * N + cols[None, :],
+        (h.to(tl.float32) * s[:, None]).to(h.dtype),
+        mask=mask,
+    )
+    ds = tl.sum(tl.where(mask, dh * h.to(tl.float32), 0.0), 1)
+    dh = dh * s[:, None]
     out_ty = out_ptr.dtype.element_ty
-    tl.store(out_ptr + z_row + cols[None, :], dgate.to(out_ty), mask=mask)
     tl.store(out_ptr + z_row + N + cols[None, :], (dh * silu).to(out_ty), mask=mask)
-    hs = h.to(tl.float32) * s[:, None]
-    tl.store(act_out_ptr + rows[:, None] * N + cols[None, :], hs.to(act_out_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        out_ptr + z_row + cols[None, :], (dh * up * sig * (1.0 + gate * (1.0 - sig))).to(out_ty), mask=mask
+    )
+    return ds
 
 
 @triton.jit
