@@ -54,3 +54,23 @@ def column_sums(a, group_sizes) -> np.ndarray:
     """a [M, K] -> [G, K]: for g: sum(a[rows(g)], 0)."""
     a = _f64(a)
     return np.stack([a[r.start : r.stop].sum(0) for r in rows(group_sizes, a.shape[0])])
+
+
+def moe_experts(x, topk_ids, topk_weights, w13, w2) -> np.ndarray:
+    """The expert block, token by token: x [T, d], topk_ids [T, k], topk_weights [T, k], w13 [E, 2n, d], w2
+    [E, d, n] -> [T, d]; out[t] = sum_j weight[t, j] * w2[e] @ (silu(g) * u), (g, u) = split(w13[e] @ x[t]),
+    e = topk_ids[t, j] clamped into [0, E), a non-finite weight counted as 0."""
+    x, w13, w2 = _f64(x), _f64(w13), _f64(w2)
+    ids = np.asarray(topk_ids)
+    weights = _f64(topk_weights)
+    E, two_n, _ = w13.shape
+    n = two_n // 2
+    out = np.zeros((x.shape[0], w2.shape[1]))
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = min(max(int(ids[t, j]), 0), E - 1)
+            weight = weights[t, j] if np.isfinite(weights[t, j]) else 0.0
+            z = w13[e] @ x[t]
+            g, u = z[:n], z[n:]
+            out[t] += weight * (w2[e] @ (g / (1.0 + np.exp(-g)) * u))
+    return out
