@@ -19,7 +19,12 @@ from typing import NamedTuple
 import torch
 
 from moegemm._src.torch import ops as _ops
-from moegemm._src.torch.launch import launch_combine, launch_k_grouped_fused, launch_m_grouped_fused
+from moegemm._src.torch.launch import (
+    launch_combine,
+    launch_k_grouped_fused,
+    launch_m_grouped,
+    launch_m_grouped_fused,
+)
 from moegemm.torch import reference
 
 
@@ -74,7 +79,9 @@ def _forward(x, topk_ids, topk_weights, w13, w2):
     h = _ops.empty(R, two_n // 2, dtype=x.dtype, device=x.device)
     launch_m_grouped_fused(x, w13.mT, r.group_sizes, h, gather=r.gather, epilogue="swiglu", act=z)
     y = _ops.empty(R, d, dtype=x.dtype, device=x.device)
-    launch_m_grouped_fused(h, w2.mT, r.group_sizes, y)
+    launch_m_grouped(
+        h, w2, r.group_sizes, y, transpose_w=True
+    )  # the plain launch: TMA where the plan takes it
     del h
     out = _ops.empty(T, d, dtype=x.dtype, device=x.device)
     launch_combine(y, r.pos, topk_weights.contiguous(), out)
@@ -108,7 +115,7 @@ def _backward(dout, x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_s
     dw13 = _ops.empty(E, two_n, d, dtype=w13.dtype, device=x.device)
     launch_k_grouped_fused(dz, x, group_sizes, dw13, gather_b=gather)
     dx_rows = _ops.empty(R, d, dtype=x.dtype, device=x.device)
-    launch_m_grouped_fused(dz, w13, group_sizes, dx_rows)
+    launch_m_grouped(dz, w13, group_sizes, dx_rows)
     del dz
     dx = _ops.empty(T, d, dtype=x.dtype, device=x.device)
     launch_combine(dx_rows, pos, None, dx)
