@@ -112,13 +112,15 @@ def _backward(dout, x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_s
     dw2 = _ops.empty(E, d, two_n // 2, dtype=w2.dtype, device=x.device)
     launch_k_grouped_fused(dout, hs, group_sizes, dw2, gather_a=gather)
     del hs
-    dw13 = _ops.empty(E, two_n, d, dtype=w13.dtype, device=x.device)
-    launch_k_grouped_fused(dz, x, group_sizes, dw13, gather_b=gather)
+    # dx before dw13: dx's [R, d] rows then live beside dz alone, not beside dw13 too (the backward's peak).
     dx_rows = _ops.empty(R, d, dtype=x.dtype, device=x.device)
     launch_m_grouped(dz, w13, group_sizes, dx_rows)
-    del dz
     dx = _ops.empty(T, d, dtype=x.dtype, device=x.device)
     launch_combine(dx_rows, pos, None, dx)
+    del dx_rows
+    dw13 = _ops.empty(E, two_n, d, dtype=w13.dtype, device=x.device)
+    launch_k_grouped_fused(dz, x, group_sizes, dw13, gather_b=gather)
+    del dz
     # The routing weights' gradient <dout[t], y_row>: the fc2 epilogue's per-tile sums, added in tile order.
     dweights = (
         ds.sum(0)[pos.view(-1).long()].view(pos.shape) if R else x.new_zeros(pos.shape, dtype=torch.float32)
