@@ -143,6 +143,15 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
         ),
         (K(128, 256, 64, 8, 8, 3, flat=True, tma_load=True), "as above, TMA loads: long groups"),
     ],
+    # The expert block's launches with a gathered operand or the SwiGLU backward epilogue (docs/design.md,
+    # 'Fused expert block'), measured on the H100 over every m_grouped / k_grouped candidate at sonic-1024 (T 32768,
+    # d 4096, n 1024, E 64, k 4) and Qwen3-30B-A3B: the forward's gather + SwiGLU keeps the ordinary pick.
+    ("m_grouped_swiglu_bwd", "sm90"): [
+        (M(128, 128, 64, 8, 8, 4), "4 stages: 2.63 / 2.59 ms vs 3.09 / 2.95 for the 128-wide pick, 3 stages"),
+    ],
+    ("k_grouped_gather", "sm90"): [
+        (K(128, 256, 64, 8, 8, 3), "nested loop: the flat one took 2.35-5.8 ms where this takes 1.7-4.7"),
+    ],
     # FP8: BLOCK_K 128 is one DeepSeek-V3 scale block (blockwise promotes once per step); 1-byte
     # operands fit a 128 x 256 x 128 tile in 3 stages (144 KB of shared memory).
     # "_fast": tensorwise/rowwise with fast accumulation (fast_accum=True: the tensor cores accumulate

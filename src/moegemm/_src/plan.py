@@ -409,7 +409,9 @@ def _plan_m(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> Plan:
     tma_load = tma_load and not p.gather  # gathered rows have no descriptor (MGroupedLaunch.make)
     # The m-grouped TMA-only candidates were measured on forward launches (K-contiguous w) with TMA loads.
     config = _pick(M_GROUPED, p, t, c, tma_load and p.w_k_contiguous)
-    if p.epilogue == "swiglu_bwd" and t.name != "interpret" and config.block_n > SWIGLU_BWD_MAX_BLOCK_N:
+    if p.epilogue == "swiglu_bwd" and t.name == "sm90":
+        config = _override(c, M_GROUPED, p, t, configs.candidates("m_grouped_swiglu_bwd", "sm90")[0])
+    elif p.epilogue == "swiglu_bwd" and t.name != "interpret" and config.block_n > SWIGLU_BWD_MAX_BLOCK_N:
         config = _override(c, M_GROUPED, p, t, dataclasses.replace(config, block_n=SWIGLU_BWD_MAX_BLOCK_N))
     split_k = 1 if p.epilogue else _split_k(p, t, caps, c, config)
     launch = MGroupedLaunch.make(
@@ -453,6 +455,8 @@ def _plan_k(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> Plan:
     # The k-grouped TMA-only candidates (flat 128 x 256) keep their staging tile without the TMA store too;
     # they are left out only where the launcher has no global scratch at all.
     config = _pick(K_GROUPED, p, t, c, caps.global_scratch)
+    if p.gather and t.name == "sm90":
+        config = _override(c, K_GROUPED, p, t, configs.candidates("k_grouped_gather", "sm90")[0])
     split_r = _split_r(p, t, caps, c, config)
     launch = KGroupedLaunch.make(
         p.M,
