@@ -5,7 +5,8 @@ One public op per GEMM shape, each taking high-precision arrays or quantized one
 (``fp8_recipe=`` trains in FP8). The Triton kernels in ``moegemm._src.kernels`` run on the GPU through
 jax-triton; see ``moegemm.jax.api`` for the backends. The jax.numpy twins (``*_reference``) are the
 oracle and CPU fallback. Sharded operands: ``moegemm.jax.sharding``; Flax modules:
-``moegemm.jax.flax`` (imported on demand: flax is optional).
+``moegemm.jax.flax`` (imported on demand: flax is optional). The fused expert block: ``moe_experts``
+(``moegemm.jax.moe``), its Flax module ``moegemm.jax.moe_layer.MoE``.
 """
 
 from moegemm.jax.api import (
@@ -17,7 +18,13 @@ from moegemm.jax.api import (
     ragged_dot,
     resolve_backend,
 )
-from moegemm.jax.reference import k_grouped_mm_reference, m_grouped_mm_reference, ragged_dot_reference
+from moegemm.jax.moe import moe_experts
+from moegemm.jax.reference import (
+    k_grouped_mm_reference,
+    m_grouped_mm_reference,
+    moe_experts_reference,
+    ragged_dot_reference,
+)
 
 __all__ = [
     "Backend",
@@ -26,6 +33,8 @@ __all__ = [
     "k_grouped_mm_reference",
     "m_grouped_mm",
     "m_grouped_mm_reference",
+    "moe_experts",
+    "moe_experts_reference",
     "quantize_fp8",
     "ragged_dot",
     "ragged_dot_reference",

@@ -56,7 +56,12 @@ from jax.typing import DTypeLike
 
 from moegemm._src import fp8, layout
 
-__all__ = ["k_grouped_mm_reference", "m_grouped_mm_reference", "ragged_dot_reference"]
+__all__ = [
+    "k_grouped_mm_reference",
+    "m_grouped_mm_reference",
+    "moe_experts_reference",
+    "ragged_dot_reference",
+]
 
 _AmaxReduce = Callable[[jax.Array], jax.Array] | None
 _Quantized = tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]
@@ -507,3 +512,36 @@ def _k_grouped_mm_fp8(
         return out.astype(out_dtype)
     live = mask.any(axis=1)[:, None, None]
     return jnp.where(live, (out + c.astype(jnp.float32)).astype(c.dtype), c)
+
+
+def moe_experts_reference(
+    x, topk_ids, topk_weights, w13, w2, *, activation: str = "swiglu", compute_dtype=jnp.float32
+) -> jax.Array:
+    """The expert block in jax.numpy (differentiable by autodiff, no sync, runs under jit):
+    ``out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u)``, ``(g, u) = split(w13[e] @ x[t])``,
+    ``e = topk_ids[t, j]``.
+
+    x [T, d]; topk_ids [T, k]; topk_weights [T, k]; w13 [E, 2n, d] (rows [0, n) gate, [n, 2n) up); w2 [E, d, n]
+    -> out [T, d] in x's dtype. The kernels' clamps: an id outside [0, E) is clamped into it, a non-finite weight
+    counts as 0. Rows sorted by expert and two ``jax.lax.ragged_dot`` in ``compute_dtype``, without the kernels'
+    roundings of the fc1 output and the activation."""
+    if activation != "swiglu":
+        raise ValueError(f"moe_experts_reference: activation {activation!r}; supported: 'swiglu'")
+    (T, d), (E, two_n, _), k = x.shape, w13.shape, topk_ids.shape[1]
+    n = two_n // 2
+    if T * k == 0 or E == 0:
+        return jnp.zeros((T, d), x.dtype)
+    ids = jnp.clip(topk_ids.reshape(-1), 0, E - 1).astype(jnp.int32)
+    order = jnp.argsort(ids, stable=True)
+    sizes = jnp.zeros(E, jnp.int32).at[ids].add(1)
+    rows = x.astype(compute_dtype)[order // k]
+
+    def dot(a, w):  # for e: a[rows(e)] @ w[e]^T
+        return jax.lax.ragged_dot(a, jnp.swapaxes(w, 1, 2).astype(compute_dtype), sizes, precision=_HIGHEST)
+
+    z = dot(rows, w13)
+    y = dot(jax.nn.silu(z[:, :n]) * z[:, n:], w2)
+    weights = topk_weights.reshape(-1).astype(compute_dtype)
+    weights = jnp.where(jnp.isfinite(weights), weights, 0)[order]
+    out_rows = jnp.zeros((T * k, d), compute_dtype).at[order].set(y * weights[:, None])
+    return out_rows.reshape(T, k, d).sum(1).astype(x.dtype)
