@@ -253,6 +253,8 @@ def _backward(dout, x, topk_weights, w13, w2, z, r: Routing, executor: Executor)
     dx = executor.run(combine_call(dx_rows, r.pos, None, x.dtype))
     # The routing weights' gradient <dout[t], y_row>: the fc2 dgrad epilogue's per-tile sums, added in tile order.
     dweights = ds.sum(0)[r.pos.reshape(-1)].reshape(T, k)
+    # A non-finite weight counts as the constant 0 in the forward, so its gradient is 0 (as the reference twin's).
+    dweights = jnp.where(jnp.isfinite(topk_weights), dweights, 0.0)
     return dx, dweights.astype(topk_weights.dtype), dw13, dw2
 
 

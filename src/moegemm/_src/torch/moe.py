@@ -126,6 +126,8 @@ def _backward(dout, x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_s
     dweights = (
         ds.sum(0)[pos.view(-1).long()].view(pos.shape) if R else x.new_zeros(pos.shape, dtype=torch.float32)
     )
+    # A non-finite weight counts as the constant 0 in the forward, so its gradient is 0 (as the reference twin's).
+    dweights = torch.where(torch.isfinite(topk_weights), dweights, 0.0)
     return dx, dw13, dw2, dweights.to(topk_weights.dtype)
 
 
