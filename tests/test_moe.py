@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, needs_cuda
 
+from moegemm._src import plan
 from moegemm._src.torch import moe as _moe
 from moegemm.testing import assert_rel_close, oracle
 from moegemm.testing.accuracy import relerr
@@ -235,3 +236,103 @@ def test_compile_fullgraph_traces_forward_and_backward():
     assert_rel_close(out.detach().cpu(), want[0], torch.float32, what="compiled out")
     for name, a, b in zip(NAMES[1:], grads, want[1:]):
         assert_rel_close(a.cpu(), b, torch.float32, what=f"compiled {name}")
+
+
+def _gpu_block(T=512, d=256, n=128, E=8, k=4, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    logits = torch.randn(T, E, device="cuda", generator=g) + 3.0 * seed * torch.linspace(
+        0, 1, E, device="cuda"
+    )
+    weights, ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
+    w13 = (torch.randn(E, 2 * n, d, device="cuda", generator=g) / d**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, d, n, device="cuda", generator=g) / n**0.5).to(torch.bfloat16)
+    return x, ids.to(torch.int32), weights.to(torch.bfloat16), w13, w2
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_no_host_sync_in_forward_or_backward():
+    x, ids, weights, w13, w2 = _gpu_block()
+    leaves = [t.requires_grad_() for t in (x, weights, w13, w2)]
+    moe_experts(x, ids, weights, w13, w2).sum().backward()  # compiles and binds outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = moe_experts(x, ids, weights, w13, w2)
+        torch.autograd.grad(out, leaves, torch.ones_like(out))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_graph_replay_with_changing_routing_is_exact():
+    """Capture forward and backward once; replays with new tokens and new routing (new group sizes on the device)
+    equal eager calls bit for bit."""
+    x, ids, weights, w13, w2 = _gpu_block()
+    static = [t.clone() for t in (x, ids, weights)]
+    static[0].requires_grad_()
+    static[2].requires_grad_()
+
+    def step():
+        out = moe_experts(static[0], static[1], static[2], w13, w2)
+        return (out, *torch.autograd.grad(out, (static[0], static[2]), torch.ones_like(out)))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for seed in (1, 2, 3):
+        x2, ids2, w2_, _, _ = _gpu_block(seed=seed)
+        with torch.no_grad():
+            static[0].copy_(x2)
+            static[1].copy_(ids2)
+            static[2].copy_(w2_)
+        graph.replay()
+        leaves = [x2.requires_grad_(), w2_.requires_grad_()]
+        out = moe_experts(leaves[0], ids2, leaves[1], w13, w2)
+        eager = (out, *torch.autograd.grad(out, leaves, torch.ones_like(out)))
+        for name, a, b in zip(("out", "dx", "dweights"), captured, eager):
+            assert torch.equal(a, b), f"replay {seed}: {name} differs from eager"
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_bf16_block_on_gpu_against_fp64():
+    x, ids, weights, w13, w2 = _gpu_block(T=1000, d=520, n=200, E=12, k=3)
+    dout = torch.randn_like(x)
+    got = run("triton", x, ids, weights, w13, w2, dout=dout)
+    want = fp64_grads(x, ids, weights, w13, w2, dout)
+    for name, a, b in zip(NAMES, got, want):
+        err = relerr(a.cpu(), b)
+        assert err <= BF16_BLOCK_TOL, f"bf16 {name}: relerr {err:.2e} > {BF16_BLOCK_TOL}"
+
+
+def test_swiglu_backward_with_w_through_tma(monkeypatch):
+    """The SwiGLU backward's w2 through the descriptor the kernel makes (gathered dout rows by pointers): the plan
+    takes it at any size here, and every gradient still matches."""
+    from moegemm._src.torch import launch
+
+    plan.constrain(tma_load=True, tma_load_min_flops=0)
+    taken = []
+    original = launch._fused_launch
+
+    def spy(*spec):
+        chosen = original(*spec)
+        taken.append((spec[10], chosen.meta["TMA_LOAD"]))
+        return chosen
+
+    spy.cache_clear = original.cache_clear  # plan.reset clears the launch caches
+    monkeypatch.setattr(launch, "_fused_launch", spy)
+    args = make(12, 64, 32, 3, 2, dtype=torch.bfloat16, seed=9)  # TMA loads take 2-byte operands
+    dout = torch.randn(12, 64, device=DEVICE, dtype=torch.bfloat16)
+    for name, a, b in zip(NAMES, run("triton", *args, dout=dout), fp64_grads(*args, dout)):
+        err = relerr(a.cpu(), b)
+        assert err <= BF16_BLOCK_TOL, f"bf16 {name}: relerr {err:.2e} > {BF16_BLOCK_TOL}"
+    assert ("swiglu_bwd", True) in taken, taken
+    assert ("swiglu", False) in taken, taken  # fc1's w rows are two runs per tile: no descriptor

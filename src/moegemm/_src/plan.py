@@ -406,7 +406,6 @@ SWIGLU_BWD_MAX_BLOCK_N = 128
 
 def _plan_m(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> Plan:
     tma_store, tma_load = _tma(p, t, caps, c)
-    tma_load = tma_load and not p.gather  # gathered rows have no descriptor (MGroupedLaunch.make)
     # The m-grouped TMA-only candidates were measured on forward launches (K-contiguous w) with TMA loads.
     config = _pick(M_GROUPED, p, t, c, tma_load and p.w_k_contiguous)
     if p.epilogue == "swiglu_bwd" and t.name == "sm90":

@@ -127,6 +127,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         help="processes that compile the fuzz's kernels before the timing (default min(16, CPUs); 0: none)",
     )
+    moe = p.add_argument_group("MoE expert block (moegemm.bench.moe): moe_experts against its peers")
+    moe.add_argument("--moe", action="store_true", help="run the expert-block benchmark instead")
+    moe.add_argument("--moe-shapes", help="shape names or tags (gpu, sonic, model, tiny, all); default gpu")
+    moe.add_argument("--moe-routing", default="balanced,skewed", help="subset of balanced,skewed,hot")
+    moe.add_argument("--moe-peers", help="impls (default: all but autotuned liger); see moe.IMPLS")
+    moe.add_argument(
+        "--moe-liger-autotune",
+        nargs="?",
+        const="qwen3-30b-a3b",
+        help="also time autotuned Liger (minutes per shape) on this one shape (default qwen3-30b-a3b)",
+    )
     p.add_argument(
         "--ep",
         help="EP mode (moegemm.bench.ep): comma-separated EP degrees, e.g. 2,8; times moegemm-jax with "
@@ -216,6 +227,10 @@ def main(argv=None) -> int:
         from moegemm.bench import fuzz
 
         return fuzz.main(args, argv, env, device, console)
+    if args.moe:
+        from moegemm.bench import moe
+
+        return moe.main(args, argv, env, device, console)
     if args.ep:
         from moegemm.bench import ep
 

@@ -280,7 +280,7 @@ def _k_grouped(
 def _moe(op: str):
     """The expert block's launches at Qwen3-30B-A3B's sizes (T 32768, k 8: R = 262144 rows; d 2048, n 768, E 128),
     with the config the H100 plan picks (docs/design.md, 'Fused expert block'): "fc1" (gather, SwiGLU), "fc2",
-    "fc2-dgrad" (gather, SwiGLU backward), "fc1-wgrad" (b gathered), "fc2-wgrad" (a gathered), "combine"."""
+    "fc2-dgrad" (gather, SwiGLU backward; "-tma-w": w2 through TMA), "fc1-wgrad" (b gathered), "fc2-wgrad" (a gathered), "combine"."""
     from moegemm._src import plan
 
     R, d, n, E = 262144, 2048, 768, 128
@@ -297,6 +297,8 @@ def _moe(op: str):
         chosen = plan.plan(problem, target, caps)
         pointers, values = _k_args(R, Nw, Kw, E)
         return k_grouped.k_grouped_mm_kernel, dict(chosen.meta), pointers, values
+    tma_w = op.endswith("-tma-w")
+    op = op.removesuffix("-tma-w")
     Nm, Km, k_contiguous, gather, epilogue = {
         "fc1": (2 * n, d, True, ("x",), "swiglu"),
         "fc2": (d, n, True, (), ""),
@@ -312,6 +314,7 @@ def _moe(op: str):
         w_k_contiguous=k_contiguous,
         gather=gather,
         epilogue=epilogue,
+        tma_load_layout=tma_w,
     )
     chosen = plan.plan(problem, target, caps)
     pointers, values = _m_args(R, Nm, Km, E, w_k_contiguous=k_contiguous)
@@ -418,7 +421,7 @@ KERNELS = {
     },
     **{
         f"moe-{op}": (lambda op=op: _moe(op))
-        for op in ("fc1", "fc2", "fc2-dgrad", "fc1-wgrad", "fc2-wgrad", "combine")
+        for op in ("fc1", "fc2", "fc2-dgrad", "fc2-dgrad-tma-w", "fc1-wgrad", "fc2-wgrad", "combine")
     },
     "m_grouped_fp8_ws": _m_grouped_fp8_ws,
     "k_grouped_ws": _k_grouped_ws,

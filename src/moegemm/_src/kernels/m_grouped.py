@@ -280,21 +280,24 @@ def _m_tile(
     # The bases stay loop-invariant and the step enters the offsets: a loop-carried scalar pointer
     # loses its alignment facts, which stops Triton from pipelining the loads with cp.async.
     for k in range(k_begin, k_end):
-        if TMA_LOAD:
+        k_mask = offs_k < K - k * BLOCK_K
+        k_cols = offs_k < K_COLS - k * BLOCK_K
+        # Gathered x rows take the pointer loads; w may still come through its descriptor (the SwiGLU backward).
+        if TMA_LOAD and not GATHER:
             a = x_desc.load([row0.to(tl.int32), k * BLOCK_K])
+        else:
+            x_ptrs = x_base + (x_offs + k * BLOCK_K * stride_xk)
+            if EVEN_K:
+                a = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
+            else:
+                a = tl.load(x_ptrs, mask=row_mask[:, None] & k_cols[None, :], other=0.0)
+        if TMA_LOAD:
             if W_K_CONTIGUOUS:
                 b = tl.trans(w_desc.load([(g * N + col0).to(tl.int32), k * BLOCK_K]))
             else:
                 b = w_desc.load([(g * K + k * BLOCK_K).to(tl.int32), col0.to(tl.int32)])
         else:
-            k_mask = offs_k < K - k * BLOCK_K
-            k_cols = offs_k < K_COLS - k * BLOCK_K
-            x_ptrs = x_base + (x_offs + k * BLOCK_K * stride_xk)
             w_ptrs = w_base + (w_offs + k * BLOCK_K * stride_wk)
-            if EVEN_K:
-                a = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
-            else:
-                a = tl.load(x_ptrs, mask=row_mask[:, None] & k_cols[None, :], other=0.0)
             if W_K_CONTIGUOUS:
                 if EVEN_K:
                     b = tl.trans(tl.load(w_ptrs, mask=col_mask[:, None], other=0.0))
@@ -464,8 +467,11 @@ def m_grouped_mm_kernel(
         # rows past a group's end are the next group's, loaded but never stored (the masked store drops
         # them, the TMA store's view clips them). Made once per program, unlike the wgrad's per-group ones
         # (k_grouped).
-        x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [stride_xm, 1], [BLOCK_M, BLOCK_K])
-        x_desc_half = tl.make_tensor_descriptor(x_ptr, [M, K], [stride_xm, 1], [HALF_M, BLOCK_K])
+        x_desc = x_ptr  # gathered rows (GATHER) take pointer loads
+        x_desc_half = x_ptr
+        if not GATHER:
+            x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [stride_xm, 1], [BLOCK_M, BLOCK_K])
+            x_desc_half = tl.make_tensor_descriptor(x_ptr, [M, K], [stride_xm, 1], [HALF_M, BLOCK_K])
         if W_K_CONTIGUOUS:
             w_desc = tl.make_tensor_descriptor(w_ptr, [G * N, K], [stride_wn, 1], [BLOCK_N, BLOCK_K])
         else:
@@ -731,8 +737,8 @@ class MGroupedLaunch:
         split_k: >1, the reduction in that many slices whose fp32 partials the kernel stores into out [split_k,
         M, N] (a workspace; ``split_k.reduce_kernel`` sums them): no TMA store, half-high tiles, flat loop or
         group offset then.
-        gather: x's rows are read through an int32 index per out row (the expert block's token rows): no TMA
-        loads, hence no flat loop.
+        gather: x's rows are read through an int32 index per out row (the expert block's token rows): x takes
+        pointer loads (w may still take TMA loads), and no flat loop.
         epilogue: "" (none), "swiglu" (N = 2n columns of w: gate then up; out [M, n] = h, the kernel's act = z
         [M, 2n]) or "swiglu_bwd" (out [M, 2n] = dz; docs/design.md, 'Fused expert block'): masked stores of
         their own, so no TMA store, split-K or group offset.
@@ -746,7 +752,11 @@ class MGroupedLaunch:
         if epilogue == "swiglu" and (N % 2 or config.block_n % 2):
             raise ValueError(f"the SwiGLU epilogue needs an even N and BLOCK_N, got N={N}, {config.block_n}")
         if gather:
-            tma_load = flat = False
+            flat = False  # the flat loop reads x through its descriptor
+        if epilogue == "swiglu":
+            tma_load = (
+                False  # a tile's w rows are two runs (gate, up: _swiglu_columns), not one descriptor block
+            )
         if epilogue:
             tma_store = False
         if split_k > 1 and g_total is not None:

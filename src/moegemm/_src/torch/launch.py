@@ -471,9 +471,12 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
 
 
 @functools.lru_cache(maxsize=1024)
-def _fused_launch(op, M, N, K, G, dtype, device, max_stride, k_contiguous, gather, epilogue) -> plan.Plan:
+def _fused_launch(
+    op, M, N, K, G, dtype, device, max_stride, k_contiguous, gather, epilogue, tma_load=False
+) -> plan.Plan:
     """The plan of one of the expert block's launches (``launch_m_grouped_fused``, ``launch_k_grouped_fused``):
-    k_contiguous is w's (m-grouped) or a's (k-grouped) K stride being 1."""
+    k_contiguous is w's (m-grouped) or a's (k-grouped) K stride being 1; tma_load: w's layout takes a descriptor
+    (m-grouped; gathered x rows never do)."""
     problem = plan.Problem(
         op,
         M,
@@ -487,6 +490,7 @@ def _fused_launch(op, M, N, K, G, dtype, device, max_stride, k_contiguous, gathe
         a_k_contiguous=k_contiguous if op == plan.K_GROUPED else True,
         gather=gather,
         epilogue=epilogue,
+        tma_load_layout=tma_load,
     )
     return plan.plan(problem, _target(device), CAPABILITIES)
 
@@ -516,6 +520,17 @@ def launch_m_grouped_fused(
     if epilogue == "swiglu_bwd":
         _contiguous("out", out)
     w_k_contiguous = sw[1] == 1 and sw[2] != 1
+    tma_load = False
+    if gather is not None and plan.tma_candidate(M, N, K, G):
+        # w through a descriptor the kernel makes (as launch_m_grouped checks it): unit inner stride, 16-byte row
+        # stride and base, the experts back to back; x's gathered rows take pointer loads.
+        w_rows, w_row_stride = (N, sw[2]) if w_k_contiguous else (K, sw[1])
+        tma_load = (
+            (w_k_contiguous or sw[2] == 1)
+            and w_row_stride % 8 == 0
+            and (G == 1 or sw[0] == w_rows * w_row_stride)
+            and w.data_ptr() % 16 == 0
+        )
     spec = (
         plan.M_GROUPED,
         M,
@@ -528,6 +543,7 @@ def launch_m_grouped_fused(
         w_k_contiguous,
         ("x",) if gather is not None else (),
         epilogue,
+        tma_load,
     )
     chosen = _fused_launch(*spec)
     ds = None
@@ -549,6 +565,8 @@ def launch_m_grouped_fused(
         out,
     )
     ints = (M, N, K, G, G, *sx, *sw, *so, 0, 0)
+    if chosen.scratch:
+        _ensure_allocator()  # w's descriptor is made in the kernel: Triton allocates its scratch
     M_GROUPED.launch(spec, tensors, ints, lambda: chosen)
     return ds
 

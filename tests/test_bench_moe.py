@@ -1,0 +1,125 @@
+"""The expert-block benchmark (moegemm.bench.moe) on CPU: the --moe run end to end on a tiny shape, the FLOP
+count, the routing generator and the correctness gate."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moegemm.bench import __main__ as cli
+from moegemm.bench import moe, timing
+
+
+def test_cpu_run_end_to_end(tmp_path):
+    """--moe without CUDA: every local impl checked (out and four gradients) on a tiny shape, Liger skipped with
+    its reason, nothing timed, the JSON written with the run's meta."""
+    out = tmp_path / "moe.json"
+    argv = ["--moe", "--moe-shapes", "tiny-E4-k2", "--moe-routing", "balanced,hot", "--out", str(out)]
+    assert cli.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["mode"] == "correctness" and data["meta"]["benchmark"] == "moe"
+    assert data["meta"]["failed"] == []
+    records = data["records"]
+    assert {(r["routing"], r["impl"]) for r in records} == {
+        (routing, impl)
+        for routing in ("balanced", "hot")
+        for impl in ("moegemm", "moegemm-unfused", "torch-grouped-mm", "liger-autotune-off")
+    }
+    for r in records:
+        if r["impl"].startswith("liger"):
+            assert r["status"] == "skipped" and "CUDA" in r["reason"]
+            continue
+        assert r["status"] == "ok", r
+        assert set(r["relerr"]) == set(moe.GRADS) and r["max_relerr"] <= r["tol"]
+        assert r.get("step_ms") is None and r.get("host_syncs") is None
+        assert r["oracle"] == "float64"
+    hot = next(r for r in records if r["routing"] == "hot")
+    assert hot["load"]["max_rows"] > 1.5 * hot["load"]["mean_rows"]  # expert 0 in nearly every token
+
+
+def test_flops():
+    """fc1 is [T*k, d] x [d, 2n] and fc2 [T*k, n] x [n, d], 2 FLOPs per multiply-add; the backward is two GEMMs
+    per forward GEMM."""
+    T, d, n, k = 32768, 4096, 1024, 4
+    fc1, fc2 = 2 * T * k * d * (2 * n), 2 * T * k * n * d
+    assert moe.fwd_flops(T, d, n, k) == fc1 + fc2 == 6 * T * k * d * n
+    assert moe.step_flops(T, d, n, k) == 3 * (fc1 + fc2)
+    assert moe.SHAPES["sonic-n1024-E64-k4"].fwd_flops == fc1 + fc2
+    # The anchors: 12.19 ms fwd at this shape is 271 TF/s.
+    assert moe.fwd_flops(T, d, n, k) / 12.19 / 1e9 == pytest.approx(271, abs=1)
+    # SonicMoE's published fwd 550 / bwd 555 TF/s: a fwd+bwd of F + 2F FLOPs at those rates.
+    rec = moe.published_record(moe.SHAPES["sonic-n1024-E64-k4"], "skewed")
+    assert rec["status"] == "published"
+    assert rec["step_tflops"] == pytest.approx(3 / (1 / 550 + 2 / 555))
+
+
+@pytest.mark.parametrize(("T", "E", "k"), [(4096, 64, 4), (48, 4, 2), (40, 8, 3), (33, 3, 1), (37, 5, 5)])
+def test_balanced_counts_exact(T, E, k):
+    ids, weights = moe.route(T, E, k, "balanced", seed=3)
+    counts = moe.expert_counts(ids, E)
+    assert counts.sum() == T * k
+    assert int(counts.max() - counts.min()) == (0 if T * k % E == 0 else 1)
+    assert all(len(set(row)) == k for row in ids.tolist())  # a token's experts are distinct
+    assert ids.dtype == torch.int32 and torch.allclose(weights.sum(1), torch.ones(T))
+
+
+def test_skewed_counts_ordered():
+    """The linear logit ramp: expert load rises with the expert index (quartile means strictly ordered), mildly."""
+    E = 32
+    ids, weights = moe.route(8192, E, 4, "skewed", seed=0)
+    counts = moe.expert_counts(ids, E).double()
+    quartiles = counts.view(4, E // 4).mean(1)
+    assert (quartiles.diff() > 0).all(), quartiles
+    assert 1.5 < quartiles[-1] / quartiles[0] < 10
+    assert torch.allclose(weights.sum(1), torch.ones(8192))
+    # The same seed draws the same routing; another seed another.
+    assert torch.equal(moe.route(8192, E, 4, "skewed", seed=0)[0], ids)
+    assert not torch.equal(moe.route(8192, E, 4, "skewed", seed=1)[0], ids)
+
+
+def test_hot_expert():
+    ids, _ = moe.route(4096, 64, 4, "hot", seed=0)
+    assert (ids == 0).any(1).float().mean() > 0.9
+
+
+def test_oracle_chunks_agree(monkeypatch):
+    """The token-chunked oracle (weight gradients summed over chunks) equals one pass."""
+    inp = moe.make_inputs(moe.SHAPES["tiny-E8-k3"], "skewed", 0, torch.device("cpu"), torch.bfloat16)
+    whole = moe.oracle(inp, torch.float64)
+    monkeypatch.setattr(moe, "ORACLE_ROWS", 16)
+    chunked = moe.oracle(inp, torch.float64)
+    for a, b in zip(whole, chunked):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _wrong_router_grad(x, ids, weights, w13, w2):
+    """Right output, but topk_weights gets a zero gradient (its value used, its graph cut)."""
+    return moe._torch_grouped_mm()(x, ids, weights.detach() + 0 * weights, w13, w2)
+
+
+def _wrong_activation(x, ids, weights, w13, w2):
+    """GELU in place of SiLU on the gate: close in value, wrong in every output."""
+    n = w2.shape[2]
+    rows = x.float().repeat_interleave(ids.shape[1], 0)
+    h = torch.einsum("rd,rnd->rn", rows, w13.float()[ids.reshape(-1).long()])
+    a = torch.nn.functional.gelu(h[:, :n]) * h[:, n:]
+    y = torch.einsum("rn,rdn->rd", a, w2.float()[ids.reshape(-1).long()]) * weights.float().reshape(-1, 1)
+    return y.view(*ids.shape, -1).sum(1).to(x.dtype)
+
+
+@pytest.mark.parametrize(("block", "caught"), [(_wrong_router_grad, "dweights"), (_wrong_activation, "out")])
+def test_gate_catches_a_wrong_impl(block, caught):
+    shape = moe.SHAPES["tiny-E4-k2"]
+    inp = moe.make_inputs(shape, "balanced", 0, torch.device("cpu"), torch.bfloat16)
+    ref = moe.oracle(inp, torch.float64)
+    impl = moe.MoEImpl("wrong", lambda: block)
+    rec = moe.measure(impl, shape, "balanced", inp, ref, tcfg=timing.TimingConfig(), check_only=False)
+    assert rec["status"] == "failed" and caught in rec["reason"], rec
+    assert rec.get("step_ms") is None  # failed: not timed
+    good = moe.MoEImpl("right", moe._torch_grouped_mm)
+    assert (
+        moe.measure(good, shape, "balanced", inp, ref, tcfg=timing.TimingConfig(), check_only=True)["status"]
+        == "ok"
+    )
