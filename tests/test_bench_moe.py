@@ -123,3 +123,96 @@ def test_gate_catches_a_wrong_impl(block, caught):
         moe.measure(good, shape, "balanced", inp, ref, tcfg=timing.TimingConfig(), check_only=True)["status"]
         == "ok"
     )
+
+
+# ---------------------------------------------------------------- the JAX op (moegemm-jax)
+
+
+def test_jax_default_run_skewed_only(tmp_path, monkeypatch):
+    """The default CUDA peers include moegemm-jax, the CPU ones do not. Made a default peer here: it runs in its
+    child process under the Triton interpreter ("interpret" backend), on the skewed routing only (balanced is a
+    skipped record naming why), passes the same gate, and is not timed; jax_vs_torch is None without timings."""
+    assert "moegemm-jax" in moe.default_peers(True) and "moegemm-jax" not in moe.default_peers(False)
+    monkeypatch.setattr(moe, "default_peers", lambda cuda: ("moegemm", "moegemm-jax"))
+    out = tmp_path / "moe.json"
+    argv = ["--moe", "--moe-shapes", "tiny-E3-k1", "--moe-routing", "balanced,skewed", "--out", str(out)]
+    assert cli.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["failed"] == [] and "peak_gib" in data["meta"]["jax"]
+    jax_recs = {r["routing"]: r for r in data["records"] if r["impl"] == "moegemm-jax"}
+    assert jax_recs["balanced"]["status"] == "skipped" and "skewed" in jax_recs["balanced"]["reason"]
+    ok = jax_recs["skewed"]
+    assert ok["status"] == "ok", ok
+    assert ok["backend"] == "interpret" and set(ok["relerr"]) == set(moe.GRADS)
+    assert ok["max_relerr"] <= ok["tol"]
+    assert ok["host_syncs"] is None and "XLA" in ok["host_syncs_note"]
+    assert ok.get("step_ms") is None and ok["jax_vs_torch"] is None
+    # The same kernels as the torch op on the same inputs: the same errors.
+    torch_rec = next(r for r in data["records"] if r["impl"] == "moegemm" and r["routing"] == "skewed")
+    for g in moe.GRADS:
+        assert ok["relerr"][g] == pytest.approx(torch_rec["relerr"][g], rel=0.05, abs=1e-4)
+
+
+def test_jax_skipped_without_jax(tmp_path, monkeypatch):
+    """No jax: every moegemm-jax record is skipped with the reason, and the run still passes."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "jax", None)
+    out = tmp_path / "moe.json"
+    argv = ["--moe", "--moe-shapes", "tiny-E4-k2", "--moe-routing", "skewed", "--moe-peers", "moegemm-jax"]
+    assert cli.main([*argv, "--out", str(out)]) == 0
+    (rec,) = json.loads(out.read_text())["records"]
+    assert rec["status"] == "skipped" and "jax does not import" in rec["reason"], rec
+
+
+def test_jax_skipped_without_gpu_backend(monkeypatch):
+    """CUDA for torch but no GPU for JAX, or no runnable jax-triton: Unavailable, naming which."""
+    import jax
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(moe.Unavailable, match="no GPU backend"):
+        moe._moegemm_jax()
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.raises(moe.Unavailable, match="'triton' cannot run"):
+        moe._moegemm_jax()
+
+
+def test_jax_vs_torch():
+    """The ratio of device times against the torch op's record of the same shape and routing."""
+
+    def rec(impl, routing, fwd, step, status="ok"):
+        return {"shape": "s", "routing": routing, "impl": impl, "status": status}, {
+            "fwd_device_ms": fwd,
+            "step_device_ms": step,
+        }
+
+    records = [
+        {**a, **b}
+        for a, b in (
+            rec("moegemm", "skewed", 2.0, 8.0),
+            rec("moegemm-jax", "skewed", 2.1, 7.6),
+            rec("moegemm-jax", "balanced", 1.0, 3.0),  # no torch record: no ratio
+            rec("moegemm-jax", "hot", 1.0, 3.0, status="failed"),
+        )
+    ]
+    moe.add_jax_vs_torch(records)
+    assert records[1]["jax_vs_torch"] == pytest.approx({"fwd": 1.05, "step": 0.95})
+    assert records[2]["jax_vs_torch"] is None and "jax_vs_torch" not in records[3]
+    assert "jax_vs_torch" not in records[0]
+
+
+def test_jax_peak():
+    """XLA's peak cannot be reset: a step that raises it is measured above the bytes in use before it; one that
+    does not gives None and the reason, as does a backend without statistics."""
+    GiB = 2**30
+    before = {"bytes_in_use": 1 * GiB, "peak_bytes_in_use": 2 * GiB}
+    assert moe._jax_peak(before, {"bytes_in_use": GiB, "peak_bytes_in_use": 5 * GiB}) == (4 * GiB, mock_any())
+    peak, reason = moe._jax_peak(before, {"bytes_in_use": GiB, "peak_bytes_in_use": 2 * GiB})
+    assert peak is None and "earlier" in reason
+    assert moe._jax_peak(None, None)[0] is None
+
+
+def mock_any():
+    from unittest import mock
+
+    return mock.ANY

@@ -336,3 +336,19 @@ def test_swiglu_backward_with_w_through_tma(monkeypatch):
         assert err <= BF16_BLOCK_TOL, f"bf16 {name}: relerr {err:.2e} > {BF16_BLOCK_TOL}"
     assert ("swiglu_bwd", True) in taken, taken
     assert ("swiglu", False) in taken, taken  # fc1's w rows are two runs per tile: no descriptor
+
+
+@pytest.mark.parametrize("in_kernel", [True, False])
+def test_wgrad_rows_gathered_in_kernel_or_copied(in_kernel):
+    """Both arms of plan.wgrad_gathers_rows give the same gradients."""
+    plan.constrain(wgrad_gather=in_kernel)
+    check_all("triton", make(10, 40, 24, 4, 2, seed=10))
+
+
+def test_second_backward_raises_clearly():
+    x, ids, weights, w13, w2 = make(6, 16, 8, 3, 2)
+    x.requires_grad_()
+    out = moe_experts(x, ids, weights, w13, w2, backend="triton")
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        out.sum().backward()

@@ -221,6 +221,9 @@ class Constraints:
     fp8_ws: bool | None = None  # the warp-specialized FP8 kernels
     stage_rows: bool | None = None  # copy operands whose rows are not 16-byte aligned into padded ones
     split_k: bool | int | None = None  # the split reduction (both ops); an int > 1 forces that many slices
+    # The expert block's wgrads read x's and dy's rows by token index in the kernel (True) or from gathered
+    # copies through the plain wgrad (False; ``wgrad_gathers_rows``)
+    wgrad_gather: bool | None = None
     # A tile config in place of the pick: config(op, problem, target, picked) -> the config to use, op the
     # pick's table ("m_grouped", "k_grouped", "k_grouped_ws", "m_grouped_fp8_ws", "k_grouped_fp8_ws", or an
     # FP8 Triton table such as "m_grouped_fp8_fast"); for a warp-specialized op, picked None (and a None
@@ -631,6 +634,16 @@ GEMM_FLOPS_PER_S = 6e14
 # ms against 0.55); with about one row tile per expert, and in dgrad and wgrad, it ran 0.5-3x the staged time.
 STAGE_MAX_RATIO = 8
 STAGE_MAX_RATIO_LIGHT = 1.5
+
+
+def wgrad_gathers_rows(M: int, N: int, K: int, G: int, target: Target, caps: Capabilities) -> bool:
+    """Whether an expert-block wgrad (out [G, K, N] over M token rows) reads its token rows by index in the
+    Triton kernel (True), or the front end first copies them into expert order for the plain wgrad, the
+    warp-specialized kernel where it runs (False: a transient [M, K or N] copy; docs/design.md, 'Fused expert
+    block')."""
+    if _active.wgrad_gather is not None:
+        return _active.wgrad_gather
+    return True
 
 
 def stage_rows(

@@ -13,13 +13,20 @@ Per shape x routing x implementation, in this order:
   implementation). ``activation_gib``: what a forward leaves allocated for its backward, less its output.
 - times: the forward (autograd on, as in training) and the fwd+bwd, each as the median of
   ``triton.testing.do_bench`` (``timing.median_ms``: L2 flushed, CUDA events) and as CUPTI device time per call
-  (``timing.device_ms``). TF/s from the median: a forward is 6*T*k*d*n FLOPs, a fwd+bwd three times that.
+  (``timing.device_ms``). TF/s from device time: a forward is 6*T*k*d*n FLOPs, a fwd+bwd three times that, the
+  backward alone (step minus forward) twice.
 
 Implementations are ``(x, ids, weights, w13, w2) -> out`` with autograd (``IMPLS``): moegemm's fused op, the
 unfused composition on moegemm's grouped GEMM and on ``torch._grouped_mm`` (torchtitan's GroupedExperts glue),
 Liger-Kernel's fused MoE with and without its autotune, and SonicMoE's published H100 figures (not run).
 Liger reads LIGER_FUSED_MOE_AUTOTUNE when its kernels module is imported, so each Liger variant runs in a child
 process of its own with the variable set (``_worker``), on the same seeded inputs.
+
+"moegemm-jax" is ``moegemm.jax.moe_experts`` (``JaxBlock``, ``_measure_jax``), in a child process too (XLA's
+allocator keeps what it grows): the same inputs through DLPack, jitted fwd and fwd+bwd timed on device arrays,
+the same gate on its outputs as torch tensors; XLA's own peak statistic, no sync count; ``jax_vs_torch``: its
+device ms over the fused torch op's. A default CUDA run times it on the skewed routing only (wall time); without
+CUDA it runs only when named, under the Triton interpreter (jax-triton needs a GPU).
 
 Routing (``route``): "balanced" gives every expert exactly T*k/E rows (when E divides T*k; else within one);
 "skewed" is softmax top-k over normal logits plus a linear ramp of ``SKEW`` across the experts, weights
@@ -289,6 +296,87 @@ def _liger():
     return block
 
 
+# The JAX op (moegemm.jax.moe_experts) runs in a child process of its own (``run_child``, like Liger): XLA's
+# allocator keeps what it grew for one shape, so beside torch's in one process the largest shapes would not fit.
+JAX_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # allocate on demand, beside torch's allocator
+JAX_DEFAULT_ROUTINGS = ("skewed",)  # the default GPU run times the JAX op on these only (wall time)
+
+
+class JaxBlock:
+    """``moegemm.jax.moe_experts`` on ``backend`` ("triton" on the GPU through jax-triton, "interpret" under the
+    Triton interpreter on CPU), measured by ``_measure_jax``: the torch inputs enter through DLPack once, outside
+    the timing; ``fwd`` and ``step`` are jitted, and ``step`` returns (out, dx, dtopk_weights, dw13, dw2) from
+    ``jax.vjp`` with the same upstream gradient the torch impls get."""
+
+    def __init__(self, backend: str):
+        import jax
+
+        from moegemm.jax import moe_experts
+
+        self.backend = backend
+
+        def block(x, ids, weights, w13, w2):
+            return moe_experts(x, ids, weights, w13, w2, backend=backend)
+
+        def step_fn(x, ids, weights, w13, w2, dy):
+            out, vjp = jax.vjp(lambda x, w, a, b: block(x, ids, w, a, b), x, weights, w13, w2)
+            return (out, *vjp(dy))
+
+        self.block = block
+        self.fwd = jax.jit(block)
+        self.step = jax.jit(step_fn)
+
+    @staticmethod
+    def to_jax(inp: Inputs) -> tuple:
+        """(x, ids, weights, w13, w2, dy) as JAX arrays sharing the torch tensors' memory (no copy)."""
+        import jax
+
+        tensors = (inp.x, inp.ids, inp.weights, inp.w13, inp.w2, inp.dy)
+        return tuple(jax.dlpack.from_dlpack(t.detach().contiguous()) for t in tensors)
+
+    @staticmethod
+    def to_torch(got: tuple) -> tuple[torch.Tensor, ...]:
+        """``step``'s (out, dx, dweights, dw13, dw2) as torch tensors in ``GRADS`` order (out, dx, dw13, dw2,
+        dweights), through DLPack."""
+        out, dx, dweights, dw13, dw2 = (torch.from_dlpack(a) for a in got)
+        return out, dx, dw13, dw2, dweights
+
+    def held_bytes(self, args: tuple) -> int:
+        """Bytes the forward keeps for the backward beyond its inputs: the residuals of an eager ``jax.vjp`` of the
+        jitted block (z and the routing metadata), less those that are an input's own buffer."""
+        import jax
+
+        x, ids, weights, w13, w2, _ = args
+        fwd = jax.jit(self.block)
+        out, vjp = jax.vjp(lambda x, w, a, b: fwd(x, ids, w, a, b), x, weights, w13, w2)
+        inputs = {a.unsafe_buffer_pointer() for a in args}
+        leaves = [a for a in jax.tree_util.tree_leaves(vjp) if isinstance(a, jax.Array)]
+        held = sum(a.nbytes for a in leaves if a.unsafe_buffer_pointer() not in inputs)
+        del out, vjp, leaves
+        return held
+
+
+def _moegemm_jax():
+    os.environ.update({k: v for k, v in JAX_ENV.items() if k not in os.environ})
+    try:
+        import jax
+    except ImportError as exc:
+        raise Unavailable(f"jax does not import: {exc}") from None
+    from moegemm.jax import api
+
+    if torch.cuda.is_available():
+        if jax.default_backend() != "gpu":
+            raise Unavailable(f"jax {jax.__version__} has no GPU backend here ({jax.default_backend()})")
+        backend = "triton"
+    else:
+        backend = "interpret"  # the same launches under the Triton interpreter: correctness only
+    try:
+        api.resolve_backend(backend)
+    except ValueError as exc:  # jax-triton missing, or TRITON_INTERPRET unset
+        raise Unavailable(f"moegemm.jax.moe_experts {exc}") from None
+    return JaxBlock(backend)
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEImpl:
     name: str
@@ -301,6 +389,12 @@ IMPLS = {
     i.name: i
     for i in (
         MoEImpl("moegemm", _moegemm, label="moegemm.torch.moe_experts (fused op)"),
+        MoEImpl(
+            "moegemm-jax",
+            _moegemm_jax,
+            JAX_ENV,
+            "moegemm.jax.moe_experts (the same kernels through jax-triton; jitted, own process)",
+        ),
         MoEImpl("moegemm-unfused", _moegemm_unfused, label="moegemm m_grouped_mm + torch glue"),
         MoEImpl("torch-grouped-mm", _torch_grouped_mm, label="torch._grouped_mm + torch glue"),
         MoEImpl(
@@ -319,6 +413,13 @@ IMPLS = {
     )
 }
 DEFAULT_PEERS = ("moegemm", "moegemm-unfused", "torch-grouped-mm", "liger-autotune-off", "sonicmoe-published")
+# On CUDA the JAX op too (on ``JAX_DEFAULT_ROUTINGS``); without CUDA it has only the interpreter (name it).
+DEFAULT_PEERS_CUDA = ("moegemm", "moegemm-jax", *DEFAULT_PEERS[1:])
+
+
+def default_peers(cuda: bool) -> tuple[str, ...]:
+    return DEFAULT_PEERS_CUDA if cuda else DEFAULT_PEERS
+
 
 # SonicMoE's H100 figures read off its paper's chart (arXiv 2512.14080, Fig. 14; Dao-AILab/sonic-moe), as
 # /work/shared/anchors/h100-moe-block.md gives them: forward and backward TF/s, activation memory where given.
@@ -428,7 +529,7 @@ def measure(
 ) -> dict:
     """One record: skipped (cannot run here), failed (an error, or a relative error above REL_TOL), or ok
     (checked, then syncs, peak and times measured; ``check_only``: checked only)."""
-    from moegemm.bench import harness, timing
+    from moegemm.bench import timing
 
     device = inp.x.device
     rec = _base(shape, routing, impl.name)
@@ -440,19 +541,13 @@ def measure(
         return {**rec, "status": "skipped", "reason": str(exc)}
     except Exception as exc:  # noqa: BLE001 - a peer that cannot load is a result to report
         return {**rec, "status": "skipped", "reason": "load: " + _reason(exc)}
+    if isinstance(block, JaxBlock):
+        return _measure_jax(block, rec, shape, inp, ref, tcfg=tcfg, check_only=check_only)
     run = lambda: step(block, inp)  # noqa: E731
-    try:
-        got = run()  # the first call compiles (and, for autotuned Liger, tunes); it is the checked one
-        errs = {name: harness.relerr(g, r) for name, g, r in zip(GRADS, got, ref)}
-        del got
-    except Exception as exc:  # noqa: BLE001
-        _free(device)
-        return {**rec, "status": "failed", "reason": _reason(exc)}
-    rec.update(relerr=errs, max_relerr=max(errs.values()))
-    bad = {name: e for name, e in errs.items() if not e <= tol}
-    if bad:
-        worst = ", ".join(f"{name} {e:.2e}" for name, e in bad.items())
-        return {**rec, "status": "failed", "reason": f"relerr above {tol:.0e}: {worst}"}
+    # The first call compiles (and, for autotuned Liger, tunes); it is the checked one.
+    failed = _gate(rec, run, ref, device)
+    if failed is not None:
+        return failed
     if check_only:
         return {**rec, "status": "ok"}
     try:
@@ -470,22 +565,152 @@ def measure(
             activation_gib=held_by_graph(fwd, device) / 2**30,
             step_wall_ms=wall_ms,
         )
-        for op, fn in (("fwd", fwd), ("step", run)):
-            if wall_ms > SLOW_MS:  # do_bench's estimate and warm-up alone would take seconds
-                ms = dev = timing.device_ms(fn, device, calls=2)
-                rec[f"{op}_timing"] = "device_ms over 2 calls (slow impl: no do_bench)"
-            else:
-                ms = timing.median_ms(fn, device, "events", tcfg)
-                rec[f"{op}_timing"] = timing.method(device)
-                calls = max(3, min(20, int(DEVICE_MS_BUDGET / max(ms, 1e-3))))
-                dev = timing.device_ms(fn, device, calls=calls)
-            flops = shape.fwd_flops * (3 if op == "step" else 1)
-            rec.update({f"{op}_ms": ms, f"{op}_device_ms": dev, f"{op}_tflops": flops / ms / 1e9})
-            _free(device)
+        _time(rec, shape, fwd, run, device, tcfg, wall_ms, "events")
     except Exception as exc:  # noqa: BLE001
         _free(device)
         return {**rec, "status": "failed", "reason": "timing: " + _reason(exc)}
     return {**rec, "status": "ok"}
+
+
+def _gate(rec: dict, run: Callable, ref: tuple[torch.Tensor, ...], device: torch.device) -> dict | None:
+    """The correctness gate on one ``run()`` -> (out, dx, dw13, dw2, dweights): fills ``rec``'s relerr; the failed
+    record, or None when every relative error is within ``rec["tol"]``."""
+    from moegemm.bench import harness
+
+    try:
+        got = run()
+        errs = {name: harness.relerr(g, r) for name, g, r in zip(GRADS, got, ref)}
+        del got
+    except Exception as exc:  # noqa: BLE001
+        _free(device)
+        return {**rec, "status": "failed", "reason": _reason(exc)}
+    rec.update(relerr=errs, max_relerr=max(errs.values()))
+    bad = {name: e for name, e in errs.items() if not e <= rec["tol"]}
+    if bad:
+        worst = ", ".join(f"{name} {e:.2e}" for name, e in bad.items())
+        return {**rec, "status": "failed", "reason": f"relerr above {rec['tol']:.0e}: {worst}"}
+    return None
+
+
+def _time(rec: dict, shape: MoEShape, fwd, run, device, tcfg, wall_ms: float, clock: str) -> None:
+    """fwd and step times into ``rec``: the median by ``clock`` ("events": do_bench; "wall": calls that block
+    themselves) and CUPTI device time per call; TF/s from device time; the backward alone as step minus fwd."""
+    from moegemm.bench import timing
+
+    for op, fn in (("fwd", fwd), ("step", run)):
+        if wall_ms > SLOW_MS:  # do_bench's estimate and warm-up alone would take seconds
+            ms = dev = timing.device_ms(fn, device, calls=2)
+            rec[f"{op}_timing"] = "device_ms over 2 calls (slow impl: no do_bench)"
+        else:
+            ms = timing.median_ms(fn, device, clock, tcfg)
+            rec[f"{op}_timing"] = timing.method(device, clock)
+            calls = max(3, min(20, int(DEVICE_MS_BUDGET / max(ms, 1e-3))))
+            dev = timing.device_ms(fn, device, calls=calls)
+        flops = shape.fwd_flops * (3 if op == "step" else 1)
+        # TF/s from device time (CUPTI; without CUDA, the median): the clock the claims use.
+        clock_ms = dev if dev else ms
+        rec.update({f"{op}_ms": ms, f"{op}_device_ms": dev, f"{op}_tflops": flops / clock_ms / 1e9})
+        _free(device)
+    if (
+        rec.get("step_device_ms")
+        and rec.get("fwd_device_ms")
+        and rec["step_device_ms"] > rec["fwd_device_ms"]
+    ):
+        # The backward alone (step minus forward), what SonicMoE's published bwd TF/s counts: 2x the fwd FLOPs.
+        bwd_ms = rec["step_device_ms"] - rec["fwd_device_ms"]
+        rec.update(bwd_device_ms=bwd_ms, bwd_tflops=2 * shape.fwd_flops / bwd_ms / 1e9)
+
+
+JAX_SYNCS_NOTE = "not counted: torch's sync debug mode sees torch's CUDA calls only, not XLA's"
+
+
+def _jax_memory() -> dict | None:
+    """XLA's allocator statistics of the first device (bytes_in_use, peak_bytes_in_use), None where it has none
+    (the CPU backend)."""
+    import jax
+
+    try:
+        return jax.local_devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - a backend without statistics
+        return None
+
+
+def _jax_peak(before: dict | None, after: dict | None) -> tuple[int | None, str]:
+    """(bytes, source) of XLA's peak during a call from its statistics before and after it: peak_bytes_in_use
+    after less bytes_in_use before (the inputs are torch's, borrowed through DLPack, so in neither), when the call
+    raised the process peak; the statistic cannot be reset, so otherwise (None, the reason)."""
+    if not before or not after or "peak_bytes_in_use" not in after:
+        return None, "none: this JAX backend gives no memory statistics"
+    if after["peak_bytes_in_use"] > before.get("peak_bytes_in_use", 0):
+        return after["peak_bytes_in_use"] - before["bytes_in_use"], "XLA peak_bytes_in_use during the step"
+    return None, "none: the step did not raise XLA's process peak (an earlier, larger shape set it)"
+
+
+def _measure_jax(
+    jb: JaxBlock, rec: dict, shape: MoEShape, inp: Inputs, ref, *, tcfg, check_only: bool
+) -> dict:
+    """``measure`` for the JAX op: the same gate on its (out, dx, dw13, dw2, dweights) as torch tensors (DLPack);
+    the timed callables are the jitted fwd and step on the device arrays, blocking (no conversion in them).
+
+    Memory: torch's allocator cannot see XLA's. ``peak_gib``: ``_jax_peak`` around the shape's first step (the
+    checked one: a later step of the same shape cannot raise the peak it set). ``activation_gib``: the bytes of
+    the forward's VJP residuals that are not an input (``JaxBlock.held_bytes``). Host syncs: not counted."""
+    import jax
+
+    device = inp.x.device
+    rec.update(backend=jb.backend, host_syncs=None, host_syncs_note=JAX_SYNCS_NOTE)
+    try:
+        args = jb.to_jax(inp)
+    except Exception as exc:  # noqa: BLE001
+        return {**rec, "status": "failed", "reason": "dlpack: " + _reason(exc)}
+    run = lambda: jax.block_until_ready(jb.step(*args))  # noqa: E731
+    before = None if check_only else _jax_memory()
+    failed = _gate(rec, lambda: jb.to_torch(run()), ref, device)
+    if failed is not None:
+        return failed
+    if check_only:
+        return {**rec, "status": "ok"}
+    try:
+        peak, source = _jax_peak(before, _jax_memory())
+        rec.update(peak_gib=None if peak is None else peak / 2**30, peak_source=source)
+        start = time.perf_counter()
+        got = run()
+        wall_ms = (time.perf_counter() - start) * 1e3
+        del got
+        grad_bytes = sum(t.numel() * t.element_size() for t in inp.leaves)
+        rec.update(
+            grads_gib=grad_bytes / 2**30, activation_gib=jb.held_bytes(args) / 2**30, step_wall_ms=wall_ms
+        )
+        fwd = lambda: jb.fwd(*args[:5]).block_until_ready()  # noqa: E731
+        _time(rec, shape, fwd, run, device, tcfg, wall_ms, "wall")
+    except Exception as exc:  # noqa: BLE001
+        _free(device)
+        return {**rec, "status": "failed", "reason": "timing: " + _reason(exc)}
+    return {**rec, "status": "ok"}
+
+
+def jax_footprint(shape: MoEShape) -> int:
+    """Rough elements of a JAX fwd+bwd (weight gradients, z and its gradient, the [R, d] rows): the JAX child runs
+    its shapes smallest first, so each step can raise XLA's peak statistic (``_measure_jax``)."""
+    R = shape.T * shape.k
+    return 3 * shape.E * shape.d * shape.n + 5 * R * shape.n + R * shape.d
+
+
+def add_jax_vs_torch(records: list[dict]) -> None:
+    """Each ok moegemm-jax record gets ``jax_vs_torch``: its fwd and step device ms over the ``moegemm`` torch
+    record's for the same shape and routing (None where either is missing: not timed, or without CUDA)."""
+    torch_recs = {
+        (r["shape"], r["routing"]): r for r in records if r["impl"] == "moegemm" and r["status"] == "ok"
+    }
+    for r in records:
+        if r["impl"] != "moegemm-jax" or r["status"] != "ok":
+            continue
+        t = torch_recs.get((r["shape"], r["routing"]))
+        ratio = {}
+        for op in ("fwd", "step"):
+            j_ms, t_ms = r.get(f"{op}_device_ms"), (t or {}).get(f"{op}_device_ms")
+            ratio[op] = j_ms / t_ms if j_ms and t_ms else None
+        r["jax_vs_torch"] = ratio if any(v is not None for v in ratio.values()) else None
 
 
 def run_cases(
@@ -530,7 +755,7 @@ def run_cases(
     return records
 
 
-# ---------------------------------------------------------------- Liger's child processes
+# ---------------------------------------------------------------- child processes (Liger, JAX)
 
 
 def run_child(
@@ -641,6 +866,9 @@ def table(records: list[dict], title: str, check_only: bool):
         previous = key
         head = [r["shape"] if first else "", r["routing"] if first else "", r["impl"]]
         note = "" if r["status"] in ("ok",) else f"{r['status']}: {r['reason']}"
+        if r.get("jax_vs_torch"):
+            ratio = r["jax_vs_torch"]
+            note = f"dev ms / moegemm's: fwd {_fmt(ratio['fwd'], '.3f')}, f+b {_fmt(ratio['step'], '.3f')}"
         style = {"ok": None, "failed": "bold red", "skipped": "dim", "published": "cyan"}[r["status"]]
         errs = r.get("relerr") or {}
         if check_only:
@@ -684,7 +912,7 @@ def main(args, argv, env, device: torch.device, console) -> int:
         raise SystemExit(
             f"--moe-routing takes a comma-separated subset of {ROUTINGS}, got {args.moe_routing!r}"
         )
-    peers = _csv(args.moe_peers) or list(DEFAULT_PEERS)
+    peers = _csv(args.moe_peers) or list(default_peers(not check_only))
     unknown = [p for p in peers if p not in IMPLS]
     if unknown:
         raise SystemExit(f"--moe-peers: unknown {unknown}; known: {', '.join(IMPLS)}")
@@ -712,6 +940,16 @@ def main(args, argv, env, device: torch.device, console) -> int:
         "oracle": "moegemm.torch.moe_experts_reference, " + ("fp64" if check_only else "fp32, TF32 off"),
         "sonicmoe_source": SONIC_SOURCE,
     }
+    if "moegemm-jax" in peers:
+        meta["jax"] = {
+            "timing": "jitted fwd and fwd+bwd (jax.vjp) on device arrays, blocking: wall-clock median and CUPTI "
+            "device time (which sees XLA's stream); inputs converted once through DLPack, outside the timing",
+            "peak_gib": "XLA's peak_bytes_in_use during one fwd+bwd above its bytes_in_use before (torch's "
+            "allocator cannot see XLA's); None where the step did not raise the process peak (see peak_source)",
+            "activation_gib": "bytes of the forward's VJP residuals that are not inputs",
+            "host_syncs": JAX_SYNCS_NOTE,
+            "jax_vs_torch": "fwd and fwd+bwd device ms over the moegemm (torch) record's, same shape and routing",
+        }
     started = time.perf_counter()
     say = lambda s: console.print(f"[{time.perf_counter() - started:5.0f} s] {s}", highlight=False)  # noqa: E731
     kw = {"dtype": dtype, "seed": args.seed, "tcfg": tcfg, "check_only": check_only}
@@ -730,6 +968,23 @@ def main(args, argv, env, device: torch.device, console) -> int:
         if impl.env is None:
             continue
         on = autotune_shapes if p == "liger" else shapes
+        on_routings = routings
+        if p == "moegemm-jax":
+            on = sorted(on, key=jax_footprint)  # smallest first: each step can raise XLA's peak statistic
+            if not args.moe_peers and set(routings) & set(JAX_DEFAULT_ROUTINGS):
+                # The default run: the JAX op on the skewed routing only, to keep the GPU run's wall time short.
+                on_routings = [r for r in routings if r in JAX_DEFAULT_ROUTINGS]
+                records += [
+                    {
+                        **_base(s, r, p),
+                        "status": "skipped",
+                        "reason": f"default peers: {'/'.join(JAX_DEFAULT_ROUTINGS)} routing only "
+                        "(wall time); name it in --moe-peers for every routing",
+                    }
+                    for s in on
+                    for r in routings
+                    if r not in on_routings
+                ]
         if not on:
             continue
         if check_only:  # no CUDA: the child would only find the same reason
@@ -743,11 +998,11 @@ def main(args, argv, env, device: torch.device, console) -> int:
                         "reason": _reason(exc).removeprefix("Unavailable: "),
                     }
                     for s in on
-                    for r in routings
+                    for r in on_routings
                 ]
                 continue
         say(f"{p}: child process, {impl.env}")
-        records += run_child(impl, on, routings, **kw)
+        records += run_child(impl, on, on_routings, **kw)
         write(records, True)
     if "sonicmoe-published" in peers:
         records += [published_record(s, r) for s in shapes for r in routings if s.name in SONIC_PUBLISHED]
@@ -755,6 +1010,7 @@ def main(args, argv, env, device: torch.device, console) -> int:
         (s.name, r): i for i, (s, r) in enumerate((s, r) for s in shapes + autotune_shapes for r in routings)
     }
     records.sort(key=lambda r: (order.get((r["shape"], r["routing"]), 0), peers.index(r["impl"])))
+    add_jax_vs_torch(records)
     failed = [
         f"{r['shape']} {r['routing']} {r['impl']}: {r['reason']}" for r in records if r["status"] == "failed"
     ]

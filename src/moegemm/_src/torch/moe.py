@@ -18,9 +18,13 @@ from typing import NamedTuple
 
 import torch
 
+from moegemm._src import plan
 from moegemm._src.torch import ops as _ops
 from moegemm._src.torch.launch import (
+    CAPABILITIES,
+    _target,
     launch_combine,
+    launch_k_grouped,
     launch_k_grouped_fused,
     launch_m_grouped,
     launch_m_grouped_fused,
@@ -92,7 +96,11 @@ def _forward(x, topk_ids, topk_weights, w13, w2):
 def _backward(dout, x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_scale):
     """(dx, dw13, dw2, dtopk_weights). fc2's dgrad carries the SwiGLU backward and the routing weights'
     gradient in its epilogue (dz, s * h and per-tile sums of dh * h); the wgrads read x's and dout's rows by
-    token index; dx sums each token's k rows of dz @ w13[e]."""
+    token index (or copies in expert order: ``plan.wgrad_gathers_rows``); dx sums each token's k rows of
+    dz @ w13[e]. z: the kept pre-activation, or a one-element list holding it (emptied here, so that z is freed
+    after its one use when nothing else holds it)."""
+    if isinstance(z, list):
+        z = z.pop()
     T, d = x.shape
     E, two_n, _ = w13.shape
     R = gather.shape[0]
@@ -110,8 +118,13 @@ def _backward(dout, x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_s
         row_scale=row_scale,
         act_out=hs,
     )
+    del z  # its one use (_setup_eager)
+    gathered = plan.wgrad_gathers_rows(R, two_n // 2, d, E, _target(x.device), CAPABILITIES)
     dw2 = _ops.empty(E, d, two_n // 2, dtype=w2.dtype, device=x.device)
-    launch_k_grouped_fused(dout, hs, group_sizes, dw2, gather_a=gather)
+    if gathered:
+        launch_k_grouped_fused(dout, hs, group_sizes, dw2, gather_a=gather)
+    else:
+        launch_k_grouped(dout.index_select(0, gather), hs, group_sizes, dw2, False)
     del hs
     # dx before dw13: dx's [R, d] rows then live beside dz alone, not beside dw13 too (the backward's peak).
     dx_rows = _ops.empty(R, d, dtype=x.dtype, device=x.device)
@@ -120,7 +133,10 @@ def _backward(dout, x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_s
     launch_combine(dx_rows, pos, None, dx)
     del dx_rows
     dw13 = _ops.empty(E, two_n, d, dtype=w13.dtype, device=x.device)
-    launch_k_grouped_fused(dz, x, group_sizes, dw13, gather_b=gather)
+    if gathered:
+        launch_k_grouped_fused(dz, x, group_sizes, dw13, gather_b=gather)
+    else:
+        launch_k_grouped(dz, x.index_select(0, gather), group_sizes, dw13, False)
     del dz
     # The routing weights' gradient <dout[t], y_row>: the fc2 epilogue's per-tile sums, added in tile order.
     dweights = (
@@ -186,16 +202,39 @@ def _setup(ctx, inputs, output):
     x, _, topk_weights, w13, w2 = inputs
     _, z, gather, pos, group_sizes, row_scale = output
     ctx.save_for_backward(x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_scale)
+    ctx.z_box = None
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _setup_eager(ctx, inputs, output):
+    """``_setup`` for eager calls, except that z (the block's largest kept tensor, [R, 2n]) is held by the context
+    alone, so the backward frees it after fc2's dgrad, its one use, instead of when the whole backward returns:
+    the peak of a backward that then writes dx, dw13 and dw2 drops by z's size."""
+    x, _, topk_weights, w13, w2 = inputs
+    _, z, gather, pos, group_sizes, row_scale = output
+    ctx.save_for_backward(x, topk_weights, w13, w2, gather, pos, group_sizes, row_scale)
+    ctx.z_box = [z]
     ctx.mark_non_differentiable(*output[1:])
 
 
 def _backward_from_ctx(ctx, dout, *_):
-    x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_scale = ctx.saved_tensors
-    args = (dout, x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_scale)
-    if _ops._eager(*args):
-        dx, dw13, dw2, dweights = _backward(*args)
+    if ctx.z_box is None:
+        x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_scale = ctx.saved_tensors
+        box = [z]
+        del z
     else:
-        dx, dw13, dw2, dweights = moe_experts_bwd_op(*args)
+        if not ctx.z_box:
+            raise RuntimeError(
+                "moe_experts: its backward ran twice (retain_graph=True); the fc1 pre-activation is freed by the "
+                "first one. Run the block again for a second backward."
+            )
+        x, topk_weights, w13, w2, gather, pos, group_sizes, row_scale = ctx.saved_tensors
+        box = [ctx.z_box.pop()]
+    rest = (gather, pos, group_sizes, row_scale)
+    if _ops._eager(dout, x, topk_weights, w13, w2, box[0], *rest):
+        dx, dw13, dw2, dweights = _backward(dout, x, topk_weights, w13, w2, box, *rest)
+    else:
+        dx, dw13, dw2, dweights = moe_experts_bwd_op(dout, x, topk_weights, w13, w2, box.pop(), *rest)
     return dx, None, dweights, dw13, dw2
 
 
@@ -203,13 +242,14 @@ moe_experts_op.register_autograd(_backward_from_ctx, setup_context=_setup)
 
 
 class _MoEFunction(torch.autograd.Function):
-    """Eager twin of moegemm::moe_experts's autograd: the same setup_context and backward."""
+    """Eager twin of moegemm::moe_experts's autograd: the same backward; its setup_context lets the backward free
+    z early (``_setup_eager``)."""
 
     @staticmethod
     def forward(x, topk_ids, topk_weights, w13, w2):
         return _forward(x, topk_ids, topk_weights, w13, w2)
 
-    setup_context = staticmethod(_setup)
+    setup_context = staticmethod(_setup_eager)
     backward = staticmethod(_backward_from_ctx)
 
 
