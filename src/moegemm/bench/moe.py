@@ -1002,8 +1002,11 @@ def main(args, argv, env, device: torch.device, console) -> int:
                 ]
                 continue
         say(f"{p}: child process, {impl.env}")
-        records += run_child(impl, on, on_routings, **kw)
-        write(records, True)
+        # One child per shape: XLA keeps the memory it grew, and the child's reference check then ran out of it on
+        # the H100 after a few shapes.
+        for s in on:
+            records += run_child(impl, [s], on_routings, **kw)
+            write(records, True)
     if "sonicmoe-published" in peers:
         records += [published_record(s, r) for s in shapes for r in routings if s.name in SONIC_PUBLISHED]
     order = {
