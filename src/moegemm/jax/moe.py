@@ -19,35 +19,13 @@ import numpy as np
 
 from moegemm._src import plan
 from moegemm._src.jax import moe as _moe
+from moegemm._src.moe import check_moe_shapes
 from moegemm.jax import api
 from moegemm.jax.reference import moe_experts_reference
 
 __all__ = ["ACTIVATIONS", "moe_experts", "moe_experts_reference"]
 
 ACTIVATIONS = ("swiglu",)
-
-
-def _check_moe_shapes(x, topk_ids, topk_weights, w13, w2) -> None:
-    """Raises ValueError naming the shapes unless x [T, d], topk_ids/topk_weights [T, k], w13 [E, 2n, d] and
-    w2 [E, d, n] agree."""
-    shapes = (
-        f"x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, topk_weights {tuple(topk_weights.shape)}, "
-        f"w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}"
-    )
-    if x.ndim != 2 or topk_ids.ndim != 2 or w13.ndim != 3 or w2.ndim != 3:
-        raise ValueError(
-            f"moe_experts: want x [T, d], topk_ids [T, k], w13 [E, 2n, d], w2 [E, d, n]; got {shapes}"
-        )
-    T, d = x.shape
-    E, two_n, d13 = w13.shape
-    if topk_ids.shape[0] != T or tuple(topk_weights.shape) != tuple(topk_ids.shape):
-        raise ValueError(f"moe_experts: topk_ids and topk_weights must both be [T={T}, k]; got {shapes}")
-    if two_n % 2 or d13 != d or tuple(w2.shape) != (E, d, two_n // 2):
-        raise ValueError(
-            f"moe_experts: want w13 [E, 2n, d={d}] (gate rows then up rows) and w2 [E, d, n]; got {shapes}"
-        )
-    if E == 0 and T * topk_ids.shape[1] > 0:
-        raise ValueError(f"moe_experts: no experts (E = 0) for {T} tokens; got {shapes}")
 
 
 def _check_routing_values(topk_ids, topk_weights, E: int) -> None:
@@ -105,7 +83,7 @@ def moe_experts(
             f"moe_experts: fp8_recipe={fp8_recipe!r}: the FP8 expert block is not built yet (bf16/fp16/fp32 only)"
         )
     x, topk_ids, topk_weights, w13, w2 = map(jnp.asarray, (x, topk_ids, topk_weights, w13, w2))
-    _check_moe_shapes(x, topk_ids, topk_weights, w13, w2)
+    check_moe_shapes(x, topk_ids, topk_weights, w13, w2)
     # The PyTorch op's errors: TypeError for mixed dtypes (check_same), ValueError for the rest.
     if len({jnp.dtype(t.dtype) for t in (x, w13, w2)}) > 1:
         raise TypeError(f"x, w13 and w2 must share a dtype, got {[x.dtype, w13.dtype, w2.dtype]}")

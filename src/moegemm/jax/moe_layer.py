@@ -31,6 +31,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from moegemm._src.moe import check_router
 from moegemm.jax import api
 from moegemm.jax.moe import moe_experts
 
@@ -48,40 +49,6 @@ def _trunc_normal(std: float):
         return (std * jax.random.truncated_normal(key, -2.0, 2.0, shape, jnp.float32)).astype(dtype)
 
     return init
-
-
-def _check_router(num_experts, top_k, score_func, num_expert_groups, num_limited_groups) -> None:
-    """The PyTorch Router's checks and messages."""
-    if score_func not in ("softmax", "sigmoid"):
-        raise ValueError(f"Router: score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"Router: top_k must be in [1, num_experts={num_experts}], got {top_k}")
-    if (num_expert_groups is None) != (num_limited_groups is None):
-        raise ValueError(
-            "Router: give both num_expert_groups and num_limited_groups (group-limited routing) or "
-            f"neither; got {num_expert_groups} and {num_limited_groups}"
-        )
-    if num_expert_groups is None:
-        return
-    if num_expert_groups < 1 or num_experts % num_expert_groups:
-        raise ValueError(
-            f"Router: num_expert_groups={num_expert_groups} must divide num_experts={num_experts}"
-        )
-    per_group = num_experts // num_expert_groups
-    if not 1 <= num_limited_groups <= num_expert_groups:
-        raise ValueError(
-            f"Router: num_limited_groups={num_limited_groups} must be in [1, {num_expert_groups}]"
-        )
-    if top_k > num_limited_groups * per_group:
-        raise ValueError(
-            f"Router: top_k={top_k} exceeds the {num_limited_groups} kept groups' "
-            f"{num_limited_groups * per_group} experts"
-        )
-    if score_func == "sigmoid" and per_group < 2:
-        raise ValueError(
-            "Router: with sigmoid a group's score is the sum of its top-2 experts, so each group "
-            f"needs at least 2 experts; got {per_group}"
-        )
 
 
 class Router(nn.Module):
@@ -104,7 +71,7 @@ class Router(nn.Module):
     init_std: float = 0.02
 
     def __post_init__(self):
-        _check_router(
+        check_router(
             self.num_experts, self.top_k, self.score_func, self.num_expert_groups, self.num_limited_groups
         )
         super().__post_init__()
@@ -214,7 +181,7 @@ class MoE(nn.Module):
             )
         if self.shared_experts < 0:
             raise ValueError(f"MoE: shared_experts must be >= 0, got {self.shared_experts}")
-        _check_router(
+        check_router(
             self.num_experts, self.top_k, self.score_func, self.num_expert_groups, self.num_limited_groups
         )
         api.resolve_backend(self.backend)  # fail at model build time, not at the first step

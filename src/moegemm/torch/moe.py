@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from moegemm._src.moe import check_moe_shapes
 from moegemm._src.torch import moe as _moe
 from moegemm._src.torch.args import (
     FLOAT_DTYPES,
@@ -29,29 +30,6 @@ from moegemm._src.torch.args import (
 __all__ = ["ACTIVATIONS", "moe_experts"]
 
 ACTIVATIONS = ("swiglu",)
-
-
-def check_moe_shapes(x, topk_ids, topk_weights, w13, w2) -> None:
-    """Raises ValueError naming the shapes unless x [T, d], topk_ids/topk_weights [T, k], w13 [E, 2n, d] and
-    w2 [E, d, n] agree."""
-    shapes = (
-        f"x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, topk_weights {tuple(topk_weights.shape)}, "
-        f"w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}"
-    )
-    if x.dim() != 2 or topk_ids.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
-        raise ValueError(
-            f"moe_experts: want x [T, d], topk_ids [T, k], w13 [E, 2n, d], w2 [E, d, n]; got {shapes}"
-        )
-    T, d = x.shape
-    E, two_n, d13 = w13.shape
-    if topk_ids.shape[0] != T or tuple(topk_weights.shape) != tuple(topk_ids.shape):
-        raise ValueError(f"moe_experts: topk_ids and topk_weights must both be [T={T}, k]; got {shapes}")
-    if two_n % 2 or d13 != d or tuple(w2.shape) != (E, d, two_n // 2):
-        raise ValueError(
-            f"moe_experts: want w13 [E, 2n, d={d}] (gate rows then up rows) and w2 [E, d, n]; got {shapes}"
-        )
-    if E == 0 and T * topk_ids.shape[1] > 0:
-        raise ValueError(f"moe_experts: no experts (E = 0) for {T} tokens; got {shapes}")
 
 
 def check_routing_values(topk_ids: torch.Tensor, topk_weights: torch.Tensor, E: int) -> None:

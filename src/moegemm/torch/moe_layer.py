@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moegemm._src.moe import check_router
 from moegemm._src.torch.args import Backend
 from moegemm.torch.moe import moe_experts
 
@@ -57,35 +58,7 @@ class Router(nn.Module):
         device: torch.device | str | None = None,
     ):
         super().__init__()
-        if score_func not in ("softmax", "sigmoid"):
-            raise ValueError(f"Router: score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"Router: top_k must be in [1, num_experts={num_experts}], got {top_k}")
-        if (num_expert_groups is None) != (num_limited_groups is None):
-            raise ValueError(
-                "Router: give both num_expert_groups and num_limited_groups (group-limited routing) or "
-                f"neither; got {num_expert_groups} and {num_limited_groups}"
-            )
-        if num_expert_groups is not None:
-            if num_expert_groups < 1 or num_experts % num_expert_groups:
-                raise ValueError(
-                    f"Router: num_expert_groups={num_expert_groups} must divide num_experts={num_experts}"
-                )
-            per_group = num_experts // num_expert_groups
-            if not 1 <= num_limited_groups <= num_expert_groups:
-                raise ValueError(
-                    f"Router: num_limited_groups={num_limited_groups} must be in [1, {num_expert_groups}]"
-                )
-            if top_k > num_limited_groups * per_group:
-                raise ValueError(
-                    f"Router: top_k={top_k} exceeds the {num_limited_groups} kept groups' "
-                    f"{num_limited_groups * per_group} experts"
-                )
-            if score_func == "sigmoid" and per_group < 2:
-                raise ValueError(
-                    "Router: with sigmoid a group's score is the sum of its top-2 experts, so each group "
-                    f"needs at least 2 experts; got {per_group}"
-                )
+        check_router(num_experts, top_k, score_func, num_expert_groups, num_limited_groups)
         self.num_experts = num_experts
         self.top_k = top_k
         self.score_func = score_func

@@ -22,7 +22,6 @@ one-element outputs the "swiglu" epilogue never touches.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,28 +34,7 @@ from moegemm._src.jax.launch import Executor, KernelCall, Target
 from moegemm._src.kernels import combine as combine_kernels
 from moegemm._src.kernels.k_grouped import k_grouped_mm_kernel
 from moegemm._src.kernels.m_grouped import m_grouped_mm_kernel
-
-
-class Routing(NamedTuple):
-    """The expert block's routing metadata, built on the device with jnp ops (no host sync) from topk_ids [T, k]
-    and E experts; the fields of ``moegemm._src.torch.moe.Routing``.
-
-    Row r of the grouped layout (R = T * k rows, expert-major, stable in (token, choice) order) holds one (token,
-    choice) pair a = order[r], where order = stable argsort of ``clip(topk_ids.flatten(), 0, E - 1)``:
-
-    - gather [R] int32: the token of row r, ``order[r] // k`` (fc1 reads x[gather[r]]);
-    - pos [T, k] int32: the row of (t, j), the inverse of order (the combine reads rows pos[t, :]);
-    - group_sizes [E] int32: rows per expert (an expert nobody chose has 0);
-    - row_scale [R] fp32: the routing weight of row r, a non-finite weight counted as 0.
-
-    Example: T = 2, k = 2, E = 3, topk_ids = [[2, 0], [0, 2]] -> order = [1, 2, 0, 3], gather = [0, 1, 0, 1],
-    pos = [[2, 0], [1, 3]], group_sizes = [2, 0, 2] (expert 1 empty).
-    """
-
-    gather: jax.Array
-    pos: jax.Array
-    group_sizes: jax.Array
-    row_scale: jax.Array
+from moegemm._src.moe import Routing
 
 
 def routing(topk_ids: jax.Array, topk_weights: jax.Array, E: int) -> Routing:

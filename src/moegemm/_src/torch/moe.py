@@ -14,11 +14,10 @@ and backward definitions inside an autograd.Function.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from moegemm._src import plan
+from moegemm._src.moe import Routing
 from moegemm._src.torch import ops as _ops
 from moegemm._src.torch.launch import (
     CAPABILITIES,
@@ -30,27 +29,6 @@ from moegemm._src.torch.launch import (
     launch_m_grouped_fused,
 )
 from moegemm.torch import reference
-
-
-class Routing(NamedTuple):
-    """The expert block's routing metadata, built on the device (no sync) from topk_ids [T, k] and E experts.
-
-    Row r of the grouped layout (R = T * k rows, expert-major, stable in (token, choice) order) holds one (token,
-    choice) pair a = order[r], where order sorts the clamped ids ``clamp(topk_ids.flatten(), 0, E - 1)``:
-
-    - gather [R] int32: the token of row r, ``order[r] // k`` (fc1 reads x[gather[r]]);
-    - pos [T, k] int32: the row of (t, j), the inverse of order (the combine reads rows pos[t, :]);
-    - group_sizes [E] int32: rows per expert (an expert nobody chose has 0);
-    - row_scale [R] fp32: the routing weight of row r, a non-finite weight counted as 0.
-
-    Example: T = 2, k = 2, E = 3, topk_ids = [[2, 0], [0, 2]] -> order = [1, 2, 0, 3], gather = [0, 1, 0, 1],
-    pos = [[2, 0], [1, 3]], group_sizes = [2, 0, 2] (expert 1 empty).
-    """
-
-    gather: torch.Tensor
-    pos: torch.Tensor
-    group_sizes: torch.Tensor
-    row_scale: torch.Tensor
 
 
 def routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, E: int) -> Routing:
