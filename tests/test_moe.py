@@ -133,7 +133,11 @@ def test_bad_ids_and_weights_are_clamped(backend):
     with no NaN anywhere (the kernels read and write nothing out of bounds)."""
     x, ids, weights, w13, w2 = make(8, 16, 8, 4, 2, seed=5)
     bad_ids, bad_w = ids.clone(), weights.clone()
-    bad_ids[0, 0], bad_ids[3, 1] = -7, 99
+    bad_ids[0, 0], bad_ids[3, 1], bad_ids[4, 0] = (
+        -7,
+        99,
+        2**32 + 1,
+    )  # the last wraps to 1 if cast before the clamp
     bad_w[2, 0], bad_w[5, 1], bad_w[6, 0] = float("nan"), float("inf"), float("-inf")
     clean_ids, clean_w = bad_ids.clamp(0, 3), torch.nan_to_num(bad_w, nan=0.0, posinf=0.0, neginf=0.0)
     dout = torch.randn(8, 16, device=DEVICE)

@@ -37,7 +37,8 @@ def routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, E: int) -> Routi
     T, k = topk_ids.shape
     R = T * k
     # int32 keys: the radix sort then takes half the passes of int64 (0.06 vs 0.10 ms for 131072 ids on the H100).
-    flat = topk_ids.reshape(-1).to(torch.int32).clamp(0, max(E - 1, 0))
+    # Clamped before the cast, which would wrap an int64 id past 2**31.
+    flat = topk_ids.reshape(-1).clamp(0, max(E - 1, 0)).to(torch.int32)
     order = torch.argsort(flat, stable=True)
     group_sizes = torch.zeros(E, dtype=torch.int32, device=flat.device)
     group_sizes.scatter_add_(0, flat.long(), torch.ones(R, dtype=torch.int32, device=flat.device))
