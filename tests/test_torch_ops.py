@@ -276,19 +276,23 @@ def test_public_api_is_declared():
     """moegemm.torch exports exactly its public names, and its public modules define no other."""
     import moegemm.torch as mt
     from moegemm.torch import api as public_api
-    from moegemm.torch import grouped_linear, reference
+    from moegemm.torch import grouped_linear, integrations, moe, moe_layer, reference
 
     assert sorted(mt.__all__) == [
         "Fp8Tensor",
         "GroupedLinear",
+        "MoE",
+        "Router",
         "k_grouped_mm",
         "k_grouped_mm_reference",
         "m_grouped_mm",
         "m_grouped_mm_reference",
+        "moe_experts",
+        "moe_experts_reference",
         "quantize_fp8",
     ]
     assert all(hasattr(mt, name) for name in mt.__all__)
-    for module in (public_api, grouped_linear, reference):
+    for module in (public_api, grouped_linear, reference, moe, moe_layer, integrations):
         defined = {
             name
             for name, value in vars(module).items()

@@ -27,12 +27,12 @@ from moegemm._src.torch.args import (
     resolve_backend,
 )
 
-__all__ = ["ACTIVATIONS", "moe_experts"]
+__all__ = ["moe_experts"]
 
 ACTIVATIONS = ("swiglu",)
 
 
-def check_routing_values(topk_ids: torch.Tensor, topk_weights: torch.Tensor, E: int) -> None:
+def _check_routing_values(topk_ids: torch.Tensor, topk_weights: torch.Tensor, E: int) -> None:
     """The syncing check (``check=True`` / MOEGEMM_CHECK=1): every id in [0, E), every weight finite."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("check=True syncs the host and cannot run inside CUDA graph capture")
@@ -92,5 +92,5 @@ def moe_experts(
         if t.device != x.device:
             raise ValueError(f"moe_experts: {name} is on {t.device}, x on {x.device}")
     if checks_enabled(check):
-        check_routing_values(topk_ids, topk_weights, w13.shape[0])
+        _check_routing_values(topk_ids, topk_weights, w13.shape[0])
     return _moe.moe_experts(x, topk_ids, topk_weights, w13, w2, resolve_backend(backend, x.device))
