@@ -854,7 +854,7 @@ def table(records: list[dict], title: str, check_only: bool):
         "relerr: ||got - oracle|| / ||oracle|| per output/gradient (fp32 oracle; fp64 on CPU)"
         if check_only
         else "ms: do_bench median (L2 flushed); dev ms: CUPTI device time per call; TF/s: 6Tkdn (fwd), 3x that "
-        "(fwd+bwd) over the median; peak: allocated during one fwd+bwd above the inputs (grads included); act: kept "
+        "(fwd+bwd) over device time; peak: allocated during one fwd+bwd above the inputs (grads included); act: kept "
         "by the forward for the backward; syncs: per fwd+bwd"
     )
     previous = None
