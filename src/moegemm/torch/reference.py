@@ -93,6 +93,7 @@ def moe_experts_reference(
     *,
     activation: str = "swiglu",
     compute_dtype: torch.dtype = torch.float32,
+    expert_base: int | None = None,
 ) -> torch.Tensor:
     """The expert block, per expert in plain PyTorch (differentiable by autograd):
     ``out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u)``, ``(g, u) = split(w13[e] @ x[t])``,
@@ -101,16 +102,26 @@ def moe_experts_reference(
     x [T, d]; topk_ids [T, k]; topk_weights [T, k]; w13 [E, 2n, d] (rows [0, n) gate, [n, 2n) up); w2 [E, d, n]
     -> out [T, d] in x's dtype. The kernels' clamps, defined here too: an id outside [0, E) is clamped into it,
     a non-finite weight counts as 0. Computed in ``compute_dtype`` without the kernels' bf16 roundings of the
-    fc1 output and the activation. Syncs (per-expert row lists)."""
+    fc1 output and the activation. Syncs (per-expert row lists).
+
+    ``expert_base`` (expert parallelism, docs/design.md, 'Expert parallelism'): w13 and w2 hold the E experts
+    [expert_base, expert_base + E) of a larger set; topk_ids are global ids, and a choice of any other expert is
+    absent: it adds nothing, and its weight's gradient is 0."""
     if activation != "swiglu":
         raise ValueError(f"moe_experts_reference: activation {activation!r}; supported: 'swiglu'")
     T, d = x.shape
     E, two_n, _ = w13.shape
     n = two_n // 2
     k = topk_ids.shape[1]
-    ids = topk_ids.reshape(-1).long().clamp(0, max(E - 1, 0))
     weights = topk_weights.reshape(-1).to(compute_dtype)
     weights = torch.where(torch.isfinite(weights), weights, torch.zeros_like(weights))
+    if expert_base is None:
+        ids = topk_ids.reshape(-1).long().clamp(0, max(E - 1, 0))
+    else:
+        ids = topk_ids.reshape(-1).long() - expert_base
+        absent = (ids < 0) | (ids >= E)
+        ids = ids.masked_fill(absent, -1)
+        weights = weights.masked_fill(absent, 0.0)
     rows_x = x.to(compute_dtype).repeat_interleave(k, 0)  # row t * k + j is token t's j-th choice
     out_rows = torch.zeros(T * k, d, dtype=compute_dtype, device=x.device)
     for e in range(E):

@@ -3,7 +3,9 @@
 Shapes: rows [R, D] (row stride any, unit column stride), pos [T, TOP_K] int32 (the row of each (token, choice)),
 weight [T, TOP_K] float or none (HAS_WEIGHT off: every weight 1), out [T, D] (row stride any, unit column stride).
 The expert block's last step and its dx (docs/design.md, 'Fused expert block'): each token's k rows are read once
-and summed in fp32. A position outside [0, R) is clamped into it, and a non-finite weight counts as 0.
+and summed in fp32. A negative position is an absent choice (an expert on another rank, docs/design.md, 'Expert
+parallelism'): it adds nothing and its row is not read. A position past R is clamped into [0, R), and a
+non-finite weight counts as 0.
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ def combine_kernel(
     mask = t_mask[:, None] & (offs_d < D)[None, :]
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        p = tl.load(pos_ptr + offs_t * TOP_K + j, mask=t_mask, other=0).to(tl.int64)
+        p = tl.load(pos_ptr + offs_t * TOP_K + j, mask=t_mask, other=-1).to(tl.int64)
+        present = p >= 0
         p = tl.minimum(tl.maximum(p, 0), R - 1)
-        row = tl.load(rows_ptr + p[:, None] * stride_rm + offs_d[None, :], mask=mask, other=0.0).to(
-            tl.float32
-        )
+        row = tl.load(
+            rows_ptr + p[:, None] * stride_rm + offs_d[None, :], mask=mask & present[:, None], other=0.0
+        ).to(tl.float32)
         if HAS_WEIGHT:
             w = tl.load(weight_ptr + offs_t * TOP_K + j, mask=t_mask, other=0.0).to(tl.float32)
             w = tl.where(w - w == 0.0, w, 0.0)  # inf - inf and nan - nan are nan: a non-finite weight is 0

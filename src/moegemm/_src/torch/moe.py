@@ -31,35 +31,51 @@ from moegemm._src.torch.launch import (
 from moegemm.torch import reference
 
 
-def routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, E: int) -> Routing:
+def routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, E: int, expert_base: int | None = None) -> Routing:
     """``Routing`` of topk_ids [T, k] and topk_weights [T, k] over E experts (device ops, no host sync:
-    counts by scatter-add, where bincount would read the ids' maximum on the host)."""
+    counts by scatter-add, where bincount would read the ids' maximum on the host).
+
+    ``expert_base`` (expert parallelism): the E experts are [expert_base, expert_base + E) of a larger set and
+    a choice of any other expert is absent: its row sorts after every group (rows past sum(group_sizes), which
+    no launch reads or writes), its pos is -1 (the combine skips it) and its row_scale 0."""
     T, k = topk_ids.shape
     R = T * k
-    # int32 keys: the radix sort then takes half the passes of int64 (0.06 vs 0.10 ms for 131072 ids on the H100).
-    # Clamped before the cast, which would wrap an int64 id past 2**31.
-    clamped = topk_ids.reshape(-1).clamp(0, max(E - 1, 0))
+    flat_ids = topk_ids.reshape(-1)
+    if expert_base is None:
+        # int32 keys: the radix sort then takes half the passes of int64 (0.06 vs 0.10 ms for 131072 ids on the
+        # H100). Clamped before the cast, which would wrap an int64 id past 2**31.
+        clamped = flat_ids.clamp(0, max(E - 1, 0))
+        absent = None
+    else:
+        local = flat_ids - expert_base
+        absent = (local < 0) | (local >= E)
+        clamped = local.masked_fill(absent, E)  # bin E: after every group
     flat = clamped.to(torch.int32)
     order = torch.argsort(flat, stable=True)
-    group_sizes = torch.zeros(E, dtype=torch.int32, device=flat.device)
+    bins = E if absent is None else E + 1
+    group_sizes = torch.zeros(bins, dtype=torch.int32, device=flat.device)
     # scatter_add_ wants int64 indices: int64 ids serve as they are, not cast back from the int32 keys.
     group_sizes.scatter_add_(0, clamped.long(), torch.ones(R, dtype=torch.int32, device=flat.device))
+    group_sizes = group_sizes[:E]
     gather = torch.div(order, max(k, 1), rounding_mode="floor").to(torch.int32)
     pos = torch.empty(R, dtype=torch.int32, device=flat.device)
     pos[order] = torch.arange(R, dtype=torch.int32, device=flat.device)
     weights = topk_weights.reshape(-1).to(torch.float32)
     weights = torch.where(torch.isfinite(weights), weights, torch.zeros_like(weights))
+    if absent is not None:
+        pos = pos.masked_fill(absent, -1)
+        weights = weights.masked_fill(absent, 0.0)
     return Routing(gather, pos.view(T, k), group_sizes, weights[order])
 
 
 # ---------------------------------------------------------------- forward and backward definitions
 
 
-def _forward(x, topk_ids, topk_weights, w13, w2):
+def _forward(x, topk_ids, topk_weights, w13, w2, expert_base=None):
     """(out [T, d], z [R, 2n], *Routing): fc1 with the gather prologue and SwiGLU epilogue, fc2, combine."""
     T, d = x.shape
     E, two_n, _ = w13.shape
-    r = routing(topk_ids, topk_weights, E)
+    r = routing(topk_ids, topk_weights, E, expert_base)
     R = r.gather.shape[0]
     z = _ops.empty(R, two_n, dtype=x.dtype, device=x.device)
     h = _ops.empty(R, two_n // 2, dtype=x.dtype, device=x.device)
@@ -120,8 +136,11 @@ def _backward(dout, x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_s
         launch_k_grouped(dz, x.index_select(0, gather), group_sizes, dw13, False)
     del dz
     # The routing weights' gradient <dout[t], y_row>: the fc2 epilogue's per-tile sums, added in tile order.
+    # An absent choice (pos -1, expert parallelism) has no row: its gradient is 0.
     dweights = (
-        ds.sum(0)[pos.view(-1).long()].view(pos.shape) if R else x.new_zeros(pos.shape, dtype=torch.float32)
+        torch.where(pos >= 0, ds.sum(0)[pos.view(-1).long().clamp(min=0)].view(pos.shape), 0.0)
+        if R
+        else x.new_zeros(pos.shape, dtype=torch.float32)
     )
     # A non-finite weight counts as the constant 0 in the forward, so its gradient is 0 (as the reference twin's).
     dweights = torch.where(torch.isfinite(topk_weights), dweights, 0.0)
@@ -133,13 +152,18 @@ def _backward(dout, x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_s
 
 @torch.library.custom_op("moegemm::moe_experts", mutates_args=())
 def moe_experts_op(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    expert_base: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _forward(x, topk_ids, topk_weights, w13, w2)
+    return _forward(x, topk_ids, topk_weights, w13, w2, expert_base)
 
 
 @moe_experts_op.register_fake
-def _(x, topk_ids, topk_weights, w13, w2):
+def _(x, topk_ids, topk_weights, w13, w2, expert_base=None):
     T, d = x.shape
     R = T * topk_ids.shape[1]
     index = dict(dtype=torch.int32)
@@ -180,7 +204,7 @@ def _(dout, x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_scale):
 
 
 def _setup(ctx, inputs, output):
-    x, _, topk_weights, w13, w2 = inputs
+    x, _, topk_weights, w13, w2 = inputs[:5]
     _, z, gather, pos, group_sizes, row_scale = output
     ctx.save_for_backward(x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_scale)
     ctx.z_box = None
@@ -191,7 +215,7 @@ def _setup_eager(ctx, inputs, output):
     """``_setup`` for eager calls, except that z (the block's largest kept tensor, [R, 2n]) is held by the context
     alone, so the backward frees it after fc2's dgrad, its one use, instead of when the whole backward returns:
     the peak of a backward that then writes dx, dw13 and dw2 drops by z's size."""
-    x, _, topk_weights, w13, w2 = inputs
+    x, _, topk_weights, w13, w2 = inputs[:5]
     _, z, gather, pos, group_sizes, row_scale = output
     ctx.save_for_backward(x, topk_weights, w13, w2, gather, pos, group_sizes, row_scale)
     ctx.z_box = [z]
@@ -216,7 +240,7 @@ def _backward_from_ctx(ctx, dout, *_):
         dx, dw13, dw2, dweights = _backward(dout, x, topk_weights, w13, w2, box, *rest)
     else:
         dx, dw13, dw2, dweights = moe_experts_bwd_op(dout, x, topk_weights, w13, w2, box.pop(), *rest)
-    return dx, None, dweights, dw13, dw2
+    return dx, None, dweights, dw13, dw2, None
 
 
 moe_experts_op.register_autograd(_backward_from_ctx, setup_context=_setup)
@@ -227,19 +251,22 @@ class _MoEFunction(torch.autograd.Function):
     z early (``_setup_eager``)."""
 
     @staticmethod
-    def forward(x, topk_ids, topk_weights, w13, w2):
-        return _forward(x, topk_ids, topk_weights, w13, w2)
+    def forward(x, topk_ids, topk_weights, w13, w2, expert_base=None):
+        return _forward(x, topk_ids, topk_weights, w13, w2, expert_base)
 
     setup_context = staticmethod(_setup_eager)
     backward = staticmethod(_backward_from_ctx)
 
 
-def moe_experts(x, topk_ids, topk_weights, w13, w2, backend: str) -> torch.Tensor:
-    """The block's out [T, d] (``moegemm.torch.moe.moe_experts``), differentiable in x, topk_weights, w13, w2."""
+def moe_experts(x, topk_ids, topk_weights, w13, w2, backend: str, expert_base: int | None = None) -> torch.Tensor:
+    """The block's out [T, d] (``moegemm.torch.moe.moe_experts``), differentiable in x, topk_weights, w13, w2.
+    ``expert_base``: w13 and w2 hold experts [expert_base, expert_base + E) of a larger set and choices of other
+    experts are absent (``routing``); the expert-parallel path's local step."""
     if backend == "reference":
-        return reference.moe_experts_reference(x, topk_ids, topk_weights, w13, w2)
+        return reference.moe_experts_reference(x, topk_ids, topk_weights, w13, w2, expert_base=expert_base)
+    args = (x, topk_ids, topk_weights, w13, w2, expert_base)
     if not _ops._eager(x, topk_ids, topk_weights, w13, w2):
-        return moe_experts_op(x, topk_ids, topk_weights, w13, w2)[0]
+        return moe_experts_op(*args)[0]
     if _ops._needs_grad(x, topk_weights, w13, w2):
-        return _MoEFunction.apply(x, topk_ids, topk_weights, w13, w2)[0]
-    return _forward(x, topk_ids, topk_weights, w13, w2)[0]
+        return _MoEFunction.apply(*args)[0]
+    return _forward(*args)[0]
