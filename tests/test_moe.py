@@ -356,3 +356,32 @@ def test_second_backward_raises_clearly():
     out.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["spread", "one rank idle"])
+def test_expert_base_local_steps_sum_to_the_whole_block(backend, case):
+    """Expert parallelism's local step (docs/design.md, 'Expert parallelism'): with w13/w2 holding experts
+    [expert_base, expert_base + E_local), the choices of other experts are absent, so the P local steps' outputs
+    and dx, dweights sum to the whole block's, and each step's dw13/dw2 are the whole block's slices. The launches
+    leave the absent rows unwritten (outputs NaN-poisoned by conftest) and the combine never reads them."""
+    P, El = 3, 2
+    x, ids, weights, w13, w2 = make(11, 24, 16, P * El, 3, seed=5)
+    if case == "one rank idle":
+        ids = ids % (2 * El)  # rank 2's experts get no token
+    dout = torch.randn(x.shape, dtype=torch.float32, device=DEVICE)
+    want = fp64_grads(x, ids, weights, w13, w2, dout)
+    total = [0.0, 0.0, 0.0]
+    dw13, dw2 = [], []
+    for r in range(P):
+        local = (x, weights, w13[r * El : (r + 1) * El], w2[r * El : (r + 1) * El])
+        leaves = [t.detach().clone().requires_grad_() for t in local]
+        out = _moe.moe_experts(leaves[0], ids, leaves[1], leaves[2], leaves[3], backend, expert_base=r * El)
+        grads = torch.autograd.grad(out, leaves, dout)
+        for i, v in enumerate((out.detach(), grads[0], grads[1])):
+            total[i] = total[i] + v
+        dw13.append(grads[2])
+        dw2.append(grads[3])
+    got = (*total, torch.cat(dw13), torch.cat(dw2))
+    for name, a, b in zip(NAMES, got, want):
+        assert_rel_close(a.cpu(), b, torch.float32, what=f"{backend} {name}")

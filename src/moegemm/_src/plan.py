@@ -141,7 +141,8 @@ class Problem:
     "blockwise"; None: not FP8) and fast_accum. load_pad: the front end staged the operands into rows
     zero-padded to a multiple of this many elements (``stage_rows``; 1: none). The expert block's options
     (docs/design.md, 'Fused expert block'): gather names the operands read through a row index ("x"; "a", "b"),
-    epilogue the m-grouped epilogue ("swiglu", "swiglu_bwd"; "" none).
+    epilogue the m-grouped epilogue ("swiglu", "swiglu_bwd"; "" none). fill_tail: False leaves the m-grouped out's
+    rows past the last group untouched (docs/design.md, 'Expert parallelism').
     """
 
     op: str
@@ -169,6 +170,7 @@ class Problem:
     load_pad: int = 1
     gather: tuple[str, ...] = ()
     epilogue: str = ""
+    fill_tail: bool = True
 
     @property
     def flops(self) -> int:
@@ -415,7 +417,7 @@ def _plan_m(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> Plan:
         config = _override(c, M_GROUPED, p, t, configs.candidates("m_grouped_swiglu_bwd", "sm90")[0])
     elif p.epilogue == "swiglu_bwd" and t.name != "interpret" and config.block_n > SWIGLU_BWD_MAX_BLOCK_N:
         config = _override(c, M_GROUPED, p, t, dataclasses.replace(config, block_n=SWIGLU_BWD_MAX_BLOCK_N))
-    split_k = 1 if p.epilogue else _split_k(p, t, caps, c, config)
+    split_k = 1 if p.epilogue or not p.fill_tail else _split_k(p, t, caps, c, config)
     launch = MGroupedLaunch.make(
         p.M,
         p.N,
@@ -438,6 +440,7 @@ def _plan_m(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> Plan:
         split_k=split_k,
         gather="x" in p.gather,
         epilogue=p.epilogue,
+        fill_tail=p.fill_tail,
     )
     meta = launch.meta
     schedule = Schedule(

@@ -280,7 +280,8 @@ def _k_grouped(
 def _moe(op: str):
     """The expert block's launches at Qwen3-30B-A3B's sizes (T 32768, k 8: R = 262144 rows; d 2048, n 768, E 128),
     with the config the H100 plan picks (docs/design.md, 'Fused expert block'): "fc1" (gather, SwiGLU), "fc2",
-    "fc2-dgrad" (gather, SwiGLU backward; "-tma-w": w2 through TMA), "fc1-wgrad" (b gathered), "fc2-wgrad" (a gathered), "combine"."""
+    "fc2-dgrad" (gather, SwiGLU backward; "-tma-w": w2 through TMA), "fc1-wgrad" (b gathered), "fc2-wgrad" (a gathered), "combine";
+    "-ep": the expert-parallel local step's launches, which leave the rows past the groups alone (FILL_TAIL off)."""
     from moegemm._src import plan
 
     R, d, n, E = 262144, 2048, 768, 128
@@ -299,6 +300,8 @@ def _moe(op: str):
         return k_grouped.k_grouped_mm_kernel, dict(chosen.meta), pointers, values
     tma_w = op.endswith("-tma-w")
     op = op.removesuffix("-tma-w")
+    fill_tail = not op.endswith("-ep")  # the expert-parallel local step: rows past the groups left alone
+    op = op.removesuffix("-ep")
     Nm, Km, k_contiguous, gather, epilogue = {
         "fc1": (2 * n, d, True, ("x",), "swiglu"),
         "fc2": (d, n, True, (), ""),
@@ -315,6 +318,7 @@ def _moe(op: str):
         gather=gather,
         epilogue=epilogue,
         tma_load_layout=tma_w,
+        fill_tail=fill_tail,
     )
     chosen = plan.plan(problem, target, caps)
     pointers, values = _m_args(R, Nm, Km, E, w_k_contiguous=k_contiguous)
@@ -421,7 +425,10 @@ KERNELS = {
     },
     **{
         f"moe-{op}": (lambda op=op: _moe(op))
-        for op in ("fc1", "fc2", "fc2-dgrad", "fc2-dgrad-tma-w", "fc1-wgrad", "fc2-wgrad", "combine")
+        for op in (
+            "fc1", "fc2", "fc2-dgrad", "fc2-dgrad-tma-w", "fc1-wgrad", "fc2-wgrad", "combine", "fc1-ep",
+            "fc2-ep-tma-w", "fc2-dgrad-ep-tma-w",
+        )  # fmt: skip
     },
     "m_grouped_fp8_ws": _m_grouped_fp8_ws,
     "k_grouped_ws": _k_grouped_ws,

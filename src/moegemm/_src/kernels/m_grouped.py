@@ -442,6 +442,9 @@ def m_grouped_mm_kernel(
     # "" (none); "swiglu": fc1, N = 2n columns of w (gate, up), out = h [M, n] and act = z [M, 2n];
     # "swiglu_bwd": fc2's dgrad, out = dz [M, 2n] from the kept z (act), with act_out and ds
     EPILOGUE: tl.constexpr = "",
+    # False: rows past the last group are neither read nor written (no tail slot): the expert-parallel local
+    # step's absent rows, which nothing reads (docs/design.md, 'Expert parallelism').
+    FILL_TAIL: tl.constexpr = True,
 ):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -452,7 +455,7 @@ def m_grouped_mm_kernel(
         zero_per_tile,
     ) = m_grouped_tile_space(
         group_sizes_ptr, group_offset_ptr, G, G_TOTAL, M, n_tiles, NUM_PROGRAMS, BLOCK_M, BLOCK_G,
-        BLOCK_G_TOTAL, HAS_GROUP_OFFSET,
+        BLOCK_G_TOTAL, HAS_GROUP_OFFSET, FILL_TAIL,
     )  # fmt: skip
     HALF_M: tl.constexpr = BLOCK_M // 2
     zero_offs_m = tl.arange(0, BLOCK_M)  # the zero tiles' (HAS_GROUP_OFFSET)
@@ -710,6 +713,7 @@ class MGroupedLaunch:
         split_k: int = 1,
         gather: bool = False,
         epilogue: str = "",
+        fill_tail: bool = True,
     ) -> MGroupedLaunch:
         """max_stride: the largest row/column stride of x, w[g] and out (default: contiguous, max(K, N)).
         Element offsets inside one tile or one expert's K range are int32 unless they could overflow.
@@ -742,6 +746,8 @@ class MGroupedLaunch:
         epilogue: "" (none), "swiglu" (N = 2n columns of w: gate then up; out [M, n] = h, the kernel's act = z
         [M, 2n]) or "swiglu_bwd" (out [M, 2n] = dz; docs/design.md, 'Fused expert block'): masked stores of
         their own, so no TMA store, split-K or group offset.
+        fill_tail: False leaves the rows past the last group untouched (no zero-fill; the per-tile loop only, no
+        split-K or group offset).
         """
         if epilogue not in ("", "swiglu", "swiglu_bwd"):
             raise ValueError(f"unknown epilogue {epilogue!r}")
@@ -751,8 +757,10 @@ class MGroupedLaunch:
             )
         if epilogue == "swiglu" and (N % 2 or config.block_n % 2):
             raise ValueError(f"the SwiGLU epilogue needs an even N and BLOCK_N, got N={N}, {config.block_n}")
-        if gather:
-            flat = False  # the flat loop reads x through its descriptor
+        if not fill_tail and (split_k > 1 or g_total is not None):
+            raise ValueError(f"fill_tail=False takes no split_k ({split_k}) or group offset ({g_total})")
+        if gather or not fill_tail:
+            flat = False  # the flat loop reads x through its descriptor and always fills the tail
         if epilogue == "swiglu":
             tma_load = (
                 False  # a tile's w rows are two runs (gate, up: _swiglu_columns), not one descriptor block
@@ -800,6 +808,7 @@ class MGroupedLaunch:
             PRECISION="ieee" if fp32_inputs or interpret else "tf32",
             GATHER=gather,
             EPILOGUE=epilogue,
+            FILL_TAIL=fill_tail,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )

@@ -169,6 +169,7 @@ def aligned_group_offsets(offs, starts, ends, G, ALIGN: tl.constexpr):
 def m_grouped_tile_space(
     group_sizes_ptr, group_offset_ptr, G, G_TOTAL, M, n_tiles, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_G_TOTAL: tl.constexpr, HAS_GROUP_OFFSET: tl.constexpr,
+    FILL_TAIL: tl.constexpr = True,
 ):  # fmt: skip
     """The tile space of an m-grouped launch (``row_tile_space``) and, with a group offset, its zero tiles.
 
@@ -178,7 +179,7 @@ def m_grouped_tile_space(
     them ([local_end, M)) are ``zero_tiles`` tiles, of which every GEMM tile stores ``zero_per_tile``
     (``store_zero_tiles``), so their stores drain while tensor cores work instead of forming a
     store-only tail wave. Without an offset the tail slot G zero-fills the rows past the last group and
-    the zero-tile values are 0.
+    the zero-tile values are 0; without FILL_TAIL the tail slot is empty and those rows are left as they are.
     """
     if HAS_GROUP_OFFSET:
         offs, starts, ends = local_group_row_bounds(
@@ -194,8 +195,11 @@ def m_grouped_tile_space(
         zero_per_tile = tl.cdiv(zero_tiles, tl.maximum(total_tiles, NUM_PROGRAMS))
     else:
         offs, starts, ends = group_row_bounds(group_sizes_ptr, G, M, BLOCK_G)
+        fill_end = M
+        if not FILL_TAIL:
+            fill_end = tl.max(tl.where(offs < G, ends, 0), 0)
         starts, ends, m_tiles, tile_ends, total_tiles = row_tile_space(
-            offs, starts, ends, G, M, n_tiles, BLOCK_M
+            offs, starts, ends, G, fill_end, n_tiles, BLOCK_M
         )
         first_row = 0
         local_end = M

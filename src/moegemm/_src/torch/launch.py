@@ -472,7 +472,7 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
 
 @functools.lru_cache(maxsize=1024)
 def _fused_launch(
-    op, M, N, K, G, dtype, device, max_stride, k_contiguous, gather, epilogue, tma_load=False
+    op, M, N, K, G, dtype, device, max_stride, k_contiguous, gather, epilogue, tma_load=False, fill_tail=True
 ) -> plan.Plan:
     """The plan of one of the expert block's launches (``launch_m_grouped_fused``, ``launch_k_grouped_fused``):
     k_contiguous is w's (m-grouped) or a's (k-grouped) K stride being 1; tma_load: w's layout takes a descriptor
@@ -491,6 +491,7 @@ def _fused_launch(
         gather=gather,
         epilogue=epilogue,
         tma_load_layout=tma_load,
+        fill_tail=fill_tail,
     )
     return plan.plan(problem, _target(device), CAPABILITIES)
 
@@ -501,7 +502,7 @@ def _contiguous(name: str, t: torch.Tensor | None) -> None:
 
 
 def launch_m_grouped_fused(
-    x, w, group_sizes, out, *, gather=None, epilogue="", act=None, row_scale=None, act_out=None
+    x, w, group_sizes, out, *, gather=None, epilogue="", act=None, row_scale=None, act_out=None, fill_tail=True
 ) -> torch.Tensor | None:
     """The expert block's m-grouped launches (docs/design.md, 'Fused expert block'), W = w [G, K, N] (any
     strides; an nn.Linear-layout weight [G, N, K] passed as its .mT view), M = out's rows:
@@ -511,7 +512,8 @@ def launch_m_grouped_fused(
     - epilogue "swiglu_bwd": the product is dh [M, n]; from act = z [M, 2n] and row_scale s [M] (fp32) it writes
       out [M, 2n] = dz, act_out [M, n] = s * h, and returns ds [cdiv(n, BLOCK_N), M] fp32, the per-column-tile
       sums of dh * h (BLOCK_N is the plan's; None for the other epilogues).
-    act, out (with "swiglu_bwd") and act_out are contiguous."""
+    act, out (with "swiglu_bwd") and act_out are contiguous. ``fill_tail=False``: out's (and act's, act_out's)
+    rows past sum(group_sizes) are left as they are (docs/design.md, 'Expert parallelism')."""
     M = out.shape[0]
     G, K, N = w.shape
     sw, sx, so = w.stride(), x.stride(), out.stride()
@@ -521,9 +523,13 @@ def launch_m_grouped_fused(
         _contiguous("out", out)
     w_k_contiguous = sw[1] == 1 and sw[2] != 1
     tma_load = False
-    if gather is not None and plan.tma_candidate(M, N, K, G):
+    x_descriptor = gather is not None or (
+        sx[1] == 1 and sx[0] % (16 // x.element_size()) == 0 and x.data_ptr() % 16 == 0
+    )
+    if x_descriptor and plan.tma_candidate(M, N, K, G):
         # w through a descriptor the kernel makes (as launch_m_grouped checks it): unit inner stride, 16-byte row
-        # stride and base, the experts back to back; x's gathered rows take pointer loads.
+        # stride and base, the experts back to back; x's gathered rows take pointer loads, x's own rows the
+        # descriptor when their layout takes one.
         w_rows, w_row_stride = (N, sw[2]) if w_k_contiguous else (K, sw[1])
         tma_load = (
             (w_k_contiguous or sw[2] == 1)
@@ -544,6 +550,7 @@ def launch_m_grouped_fused(
         ("x",) if gather is not None else (),
         epilogue,
         tma_load,
+        fill_tail,
     )
     chosen = _fused_launch(*spec)
     ds = None

@@ -79,23 +79,29 @@ def _forward(x, topk_ids, topk_weights, w13, w2, expert_base=None):
     R = r.gather.shape[0]
     z = _ops.empty(R, two_n, dtype=x.dtype, device=x.device)
     h = _ops.empty(R, two_n // 2, dtype=x.dtype, device=x.device)
-    launch_m_grouped_fused(x, w13.mT, r.group_sizes, h, gather=r.gather, epilogue="swiglu", act=z)
+    # With absent rows (expert_base) nothing reads the rows past the groups: no launch writes them.
+    fill = expert_base is None
+    launch_m_grouped_fused(
+        x, w13.mT, r.group_sizes, h, gather=r.gather, epilogue="swiglu", act=z, fill_tail=fill
+    )
     y = _ops.empty(R, d, dtype=x.dtype, device=x.device)
-    launch_m_grouped(
-        h, w2, r.group_sizes, y, transpose_w=True
-    )  # the plain launch: TMA where the plan takes it
+    if fill:
+        launch_m_grouped(h, w2, r.group_sizes, y, transpose_w=True)  # the plain launch: TMA where the plan takes it
+    else:
+        launch_m_grouped_fused(h, w2.mT, r.group_sizes, y, fill_tail=False)
     del h
     out = _ops.empty(T, d, dtype=x.dtype, device=x.device)
     launch_combine(y, r.pos, topk_weights.contiguous(), out)
     return out, z, *r
 
 
-def _backward(dout, x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_scale):
+def _backward(dout, x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_scale, absent=False):
     """(dx, dw13, dw2, dtopk_weights). fc2's dgrad carries the SwiGLU backward and the routing weights'
     gradient in its epilogue (dz, s * h and per-tile sums of dh * h); the wgrads read x's and dout's rows by
     token index (or copies in expert order: ``plan.wgrad_gathers_rows``); dx sums each token's k rows of
     dz @ w13[e]. z: the kept pre-activation, or a one-element list holding it (emptied here, so that z is freed
-    after its one use when nothing else holds it)."""
+    after its one use when nothing else holds it). absent: the forward had absent rows (expert_base): the
+    launches leave the rows past the groups alone and the wgrads read rows by index, never copying all R."""
     if isinstance(z, list):
         z = z.pop()
     T, d = x.shape
@@ -114,9 +120,10 @@ def _backward(dout, x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_s
         act=z,
         row_scale=row_scale,
         act_out=hs,
+        fill_tail=not absent,
     )
     del z  # its one use (_setup_eager)
-    gathered = plan.wgrad_gathers_rows(R, two_n // 2, d, E, _target(x.device), CAPABILITIES)
+    gathered = absent or plan.wgrad_gathers_rows(R, two_n // 2, d, E, _target(x.device), CAPABILITIES)
     dw2 = _ops.empty(E, d, two_n // 2, dtype=w2.dtype, device=x.device)
     if gathered:
         launch_k_grouped_fused(dout, hs, group_sizes, dw2, gather_a=gather)
@@ -125,7 +132,10 @@ def _backward(dout, x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_s
     del hs
     # dx before dw13: dx's [R, d] rows then live beside dz alone, not beside dw13 too (the backward's peak).
     dx_rows = _ops.empty(R, d, dtype=x.dtype, device=x.device)
-    launch_m_grouped(dz, w13, group_sizes, dx_rows)
+    if absent:
+        launch_m_grouped_fused(dz, w13, group_sizes, dx_rows, fill_tail=False)
+    else:
+        launch_m_grouped(dz, w13, group_sizes, dx_rows)
     dx = _ops.empty(T, d, dtype=x.dtype, device=x.device)
     launch_combine(dx_rows, pos, None, dx)
     del dx_rows
@@ -189,12 +199,13 @@ def moe_experts_bwd_op(
     pos: torch.Tensor,
     group_sizes: torch.Tensor,
     row_scale: torch.Tensor,
+    absent: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(dout, x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_scale)
+    return _backward(dout, x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_scale, absent)
 
 
 @moe_experts_bwd_op.register_fake
-def _(dout, x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_scale):
+def _(dout, x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_scale, absent=False):
     return (
         x.new_empty(x.shape),
         w13.new_empty(w13.shape),
@@ -208,6 +219,7 @@ def _setup(ctx, inputs, output):
     _, z, gather, pos, group_sizes, row_scale = output
     ctx.save_for_backward(x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_scale)
     ctx.z_box = None
+    ctx.absent = len(inputs) > 5 and inputs[5] is not None
     ctx.mark_non_differentiable(*output[1:])
 
 
@@ -219,6 +231,7 @@ def _setup_eager(ctx, inputs, output):
     _, z, gather, pos, group_sizes, row_scale = output
     ctx.save_for_backward(x, topk_weights, w13, w2, gather, pos, group_sizes, row_scale)
     ctx.z_box = [z]
+    ctx.absent = len(inputs) > 5 and inputs[5] is not None
     ctx.mark_non_differentiable(*output[1:])
 
 
@@ -237,9 +250,11 @@ def _backward_from_ctx(ctx, dout, *_):
         box = [ctx.z_box.pop()]
     rest = (gather, pos, group_sizes, row_scale)
     if _ops._eager(dout, x, topk_weights, w13, w2, box[0], *rest):
-        dx, dw13, dw2, dweights = _backward(dout, x, topk_weights, w13, w2, box, *rest)
+        dx, dw13, dw2, dweights = _backward(dout, x, topk_weights, w13, w2, box, *rest, ctx.absent)
     else:
-        dx, dw13, dw2, dweights = moe_experts_bwd_op(dout, x, topk_weights, w13, w2, box.pop(), *rest)
+        dx, dw13, dw2, dweights = moe_experts_bwd_op(
+            dout, x, topk_weights, w13, w2, box.pop(), *rest, ctx.absent
+        )
     return dx, None, dweights, dw13, dw2, None
 
 
