@@ -283,6 +283,8 @@ def test_public_api_is_declared():
         "GroupedLinear",
         "MoE",
         "Router",
+        "TokenDispatcher",
+        "TorchtitanTokenDispatcher",
         "k_grouped_mm",
         "k_grouped_mm_reference",
         "m_grouped_mm",

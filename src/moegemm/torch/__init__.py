@@ -6,8 +6,10 @@ GroupedLinear(G, K, N)              G nn.Linear experts over contiguous row grou
 quantize_fp8(x, recipe, ...)        an Fp8Tensor, which the ops and the twins take in place of a tensor
 moe_experts(x, ids, weights, w13, w2)  the routed expert block: gather, fc1 + SwiGLU, fc2, weighted combine
 MoE(dim, hidden_dim, E, top_k)      router (+ shared experts) + moe_experts
+TokenDispatcher(ep_group, E_local)  expert parallelism: dispatch (all_gather) / combine (reduce_scatter)
 """
 
+from moegemm._src.torch.ep import TokenDispatcher, TorchtitanTokenDispatcher
 from moegemm._src.torch.fp8_tensor import Fp8Tensor
 from moegemm.torch.api import k_grouped_mm, m_grouped_mm, quantize_fp8
 from moegemm.torch.grouped_linear import GroupedLinear
@@ -20,6 +22,8 @@ __all__ = [
     "GroupedLinear",
     "MoE",
     "Router",
+    "TokenDispatcher",
+    "TorchtitanTokenDispatcher",
     "k_grouped_mm",
     "k_grouped_mm_reference",
     "m_grouped_mm",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from moegemm._src.moe import check_moe_shapes
+from moegemm._src.torch import ep as _ep
 from moegemm._src.torch import moe as _moe
 from moegemm._src.torch.args import (
     FLOAT_DTYPES,
@@ -63,6 +64,9 @@ def moe_experts(
     fp8_recipe: str | None = None,
     check: bool | None = None,
     backend: Backend = "auto",
+    ep_group: object | None = None,
+    chunks: int = 1,
+    max_tokens_per_rank: int | None = None,
 ) -> torch.Tensor:
     """The routed expert block (module docstring): x [T, d], topk_ids [T, k], topk_weights [T, k], w13 [E, 2n, d],
     w2 [E, d, n] -> out [T, d] in x's dtype, fp32 accumulation.
@@ -73,7 +77,38 @@ def moe_experts(
     clamped into it and a non-finite weight counts as 0 (no read or write out of bounds, no sync);
     ``check=True`` (or MOEGEMM_CHECK=1) syncs and raises naming the first bad value. ``backend``: "triton"
     (the fused kernels), "reference" (``moe_experts_reference``), "auto". No host sync in forward or backward.
+
+    Expert parallelism (docs/design.md, 'Expert parallelism'): with ``ep_group`` (a ProcessGroup of size P, rank
+    r), w13 [E/P, 2n, d] and w2 [E/P, d, n] hold experts [r*E/P, (r+1)*E/P), topk_ids are global ids in [0, E),
+    and out equals the single-process block with all E experts on this rank's tokens
+    (``moegemm._src.torch.ep``: all_gather the tokens, the local experts, reduce_scatter). ``chunks``: row
+    chunks whose collectives overlap the expert GEMMs. ``max_tokens_per_rank``: a row bound B every rank
+    declares alike, so ranks may pass different T <= B (None: every rank passes the same T). In check mode one
+    metadata all_gather first makes every rank raise on a mismatch across ranks (E/P, d, n, k, B, dtypes) or a
+    bad input on any rank; without it such a mismatch is undefined, as NCCL's collectives are.
     """
+    if ep_group is not None:
+        return _ep.moe_experts_ep(
+            x,
+            topk_ids,
+            topk_weights,
+            w13,
+            w2,
+            ep_group,
+            backend=resolve_backend(backend, x.device),
+            chunks=chunks,
+            max_tokens_per_rank=max_tokens_per_rank,
+            check=checks_enabled(check),
+            validate=lambda E: _check_inputs(
+                x, topk_ids, topk_weights, w13, w2, activation, fp8_recipe, check, E
+            ),
+        )
+    _check_inputs(x, topk_ids, topk_weights, w13, w2, activation, fp8_recipe, check, w13.shape[0])
+    return _moe.moe_experts(x, topk_ids, topk_weights, w13, w2, resolve_backend(backend, x.device))
+
+
+def _check_inputs(x, topk_ids, topk_weights, w13, w2, activation, fp8_recipe, check, E) -> None:
+    """``moe_experts``' input checks for E experts in all (E = P * w13.shape[0] under expert parallelism)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"moe_experts: activation {activation!r}; supported: {ACTIVATIONS}")
     if fp8_recipe is not None:
@@ -92,5 +127,4 @@ def moe_experts(
         if t.device != x.device:
             raise ValueError(f"moe_experts: {name} is on {t.device}, x on {x.device}")
     if checks_enabled(check):
-        _check_routing_values(topk_ids, topk_weights, w13.shape[0])
-    return _moe.moe_experts(x, topk_ids, topk_weights, w13, w2, resolve_backend(backend, x.device))
+        _check_routing_values(topk_ids, topk_weights, E)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moegemm._src.moe import check_router
+from moegemm._src.torch import ep as _ep
 from moegemm._src.torch.args import Backend
 from moegemm.torch.moe import moe_experts
 
@@ -133,6 +134,11 @@ class MoE(nn.Module):
     shared_experts > 0. Buffers: ``expert_bias`` [E] fp32 (load_balance="bias", persistent) and
     ``tokens_per_expert`` [E] fp32 (not persistent). ``forward(x [..., dim]) -> [..., dim]`` in x's dtype,
     with no host sync; ``backend`` is passed to ``moe_experts``.
+
+    ``ep_group`` (expert parallelism, docs/design.md, 'Expert parallelism'): this rank (r of P) holds experts
+    [r*E/P, (r+1)*E/P) only: ``w13`` [E/P, 2 * hidden_dim, dim], ``w2`` [E/P, dim, hidden_dim]; the router and
+    the shared experts stay whole. ``chunks`` and ``max_tokens_per_rank`` go to ``moe_experts``. The ranks'
+    configurations are checked to agree once, here (every rank raises otherwise).
     """
 
     def __init__(
@@ -154,6 +160,9 @@ class MoE(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         backend: Backend = "auto",
+        ep_group=None,
+        chunks: int = 1,
+        max_tokens_per_rank: int | None = None,
     ):
         super().__init__()
         if load_balance not in ("aux_loss", "bias", None):
@@ -165,6 +174,12 @@ class MoE(nn.Module):
         self.aux_loss_coef = aux_loss_coef
         self.bias_update_rate = bias_update_rate
         self.backend = backend
+        self.ep_group, self.chunks, self.max_tokens_per_rank = ep_group, chunks, max_tokens_per_rank
+        local_experts = (
+            num_experts
+            if ep_group is None
+            else _ep.local_experts(ep_group, num_experts, dim, hidden_dim, top_k, dtype)
+        )
         self.router = Router(
             dim,
             num_experts,
@@ -178,8 +193,8 @@ class MoE(nn.Module):
             device=device,
         )
         factory = {"dtype": dtype, "device": device}
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim, **factory))
-        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim, **factory))
+        self.w13 = nn.Parameter(torch.empty(local_experts, 2 * hidden_dim, dim, **factory))
+        self.w2 = nn.Parameter(torch.empty(local_experts, dim, hidden_dim, **factory))
         self.shared = SwiGLU(dim, shared_experts * hidden_dim, **factory) if shared_experts else None
         self.register_buffer(
             "expert_bias",
@@ -223,7 +238,17 @@ class MoE(nn.Module):
                 self.tokens_per_expert.add_(counts)
         if self.load_balance == "aux_loss":
             self.aux_loss = self._aux_loss(scores, counts, topk_ids.numel())
-        out = moe_experts(x2d, topk_ids, topk_weights, self.w13, self.w2, backend=self.backend)
+        out = moe_experts(
+            x2d,
+            topk_ids,
+            topk_weights,
+            self.w13,
+            self.w2,
+            backend=self.backend,
+            ep_group=self.ep_group,
+            chunks=self.chunks,
+            max_tokens_per_rank=self.max_tokens_per_rank,
+        )
         if self.shared is not None:
             out = out + self.shared(x2d)
         return out.reshape(shape)
