@@ -138,11 +138,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         const="qwen3-30b-a3b",
         help="also time autotuned Liger (minutes per shape) on this one shape (default qwen3-30b-a3b)",
     )
-    p.add_argument(
-        "--ep",
-        help="EP mode (moegemm.bench.ep): comma-separated EP degrees, e.g. 2,8; times moegemm-jax with "
-        "group_offset against the same kernels on only the local rows, instead of the peer benchmark",
-    )
+    ep = p.add_argument_group("expert parallelism (moegemm.bench.ep): moe_experts(ep_group=) vs torchtitan")
+    ep.add_argument("--ep", action="store_true", help="run the PyTorch EP benchmark (torchrun, or spawns)")
+    ep.add_argument("--ep-sizes", default="2,4", help="comma-separated EP group sizes")
+    ep.add_argument("--ep-shapes", help="shape names or tags (gpu, tiny, all; default gpu, CPU: tiny)")
     fp8 = p.add_argument_group("FP8 mode (moegemm.bench.fp8): scaled grouped GEMMs with their peers")
     fp8.add_argument("--fp8", action="store_true", help="run the FP8 benchmark instead of the BF16 one")
     fp8.add_argument("--fp8-recipes", default="tensorwise,rowwise,blockwise")
@@ -234,11 +233,7 @@ def main(argv=None) -> int:
     if args.ep:
         from moegemm.bench import ep
 
-        out = args.out or report.default_out(env.device, args.name or "ep")
-        records = ep.run(
-            select_cases(args, shapes, cuda), [int(v) for v in _csv(args.ep)], device, out, seed=args.seed
-        )
-        return 1 if not cuda and any(r["status"].startswith("failed") for r in records) else 0
+        return ep.main(args, argv, env, device, console)
     if args.fp8 and args.fp8_jax:
         from moegemm.bench import fp8_jax
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moegemm._src import plan
+from moegemm._src.jax import ep as _ep
 from moegemm._src.jax import moe as _moe
 from moegemm._src.moe import check_moe_shapes
 from moegemm.jax import api
@@ -63,6 +64,7 @@ def moe_experts(
     fp8_recipe: str | None = None,
     check: bool | None = None,
     backend: api.Backend = "auto",
+    ep_axis=None,
 ) -> jax.Array:
     """The routed expert block (module docstring): x [T, d], topk_ids [T, k], topk_weights [T, k], w13 [E, 2n, d],
     w2 [E, d, n] -> out [T, d] in x's dtype, fp32 accumulation.
@@ -75,6 +77,13 @@ def moe_experts(
     MOEGEMM_CHECK=1 turns it on for concrete arrays). ``backend``: "triton" (the fused kernels through jax-triton),
     "interpret" (the same launches under the Triton interpreter, CPU), "reference" (``moe_experts_reference``),
     "auto".
+
+    ``ep_axis`` (expert parallelism, docs/design.md, 'Expert parallelism'): a mesh axis name; call inside
+    ``jax.shard_map`` over it. Per device r of its P: x [T_r, d], topk_ids [T_r, k] (global ids in [0, P * E_l)),
+    topk_weights [T_r, k], w13 [E_l, 2n, d] and w2 [E_l, d, n] its experts [r * E_l, (r + 1) * E_l) -> out
+    [T_r, d], the single-device result on its tokens; ``all_gather`` tokens, the local experts' block,
+    ``psum_scatter`` (``moegemm._src.jax.ep``). An id outside [0, P * E_l) is no device's: it adds nothing
+    (not clamped).
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"moe_experts: activation {activation!r}; supported: {ACTIVATIONS}")
@@ -93,10 +102,20 @@ def moe_experts(
         raise ValueError(f"moe_experts: topk_ids must be int32 or int64, got {topk_ids.dtype}")
     if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
         raise ValueError(f"moe_experts: topk_weights must be a float array, got {topk_weights.dtype}")
+    # Under EP the checks run while shard_map traces (the same shapes on every device): before any collective.
+    E = w13.shape[0] * (1 if ep_axis is None else _ep.axis_size(ep_axis))
     traced = any(isinstance(t, jax.core.Tracer) for t in (topk_ids, topk_weights))
     if check or (check is None and plan.SWITCHES.check and not traced):
-        _check_routing_values(topk_ids, topk_weights, w13.shape[0])
+        _check_routing_values(topk_ids, topk_weights, E)
     executor = api._executor(backend)
-    if executor is None:
-        return moe_experts_reference(x, topk_ids, topk_weights, w13, w2, activation=activation)
-    return _moe.moe_experts(x, topk_ids, topk_weights, w13, w2, executor)
+
+    def block(x, topk_ids, topk_weights, w13, w2, expert_base=None):
+        if executor is None:
+            return moe_experts_reference(
+                x, topk_ids, topk_weights, w13, w2, activation=activation, expert_base=expert_base
+            )
+        return _moe.moe_experts(x, topk_ids, topk_weights, w13, w2, expert_base, executor)
+
+    if ep_axis is None:
+        return block(x, topk_ids, topk_weights, w13, w2)
+    return _ep.moe_experts(x, topk_ids, topk_weights, w13, w2, ep_axis, block)

@@ -31,6 +31,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from moegemm._src.jax import ep as _ep
 from moegemm._src.moe import check_router
 from moegemm.jax import api
 from moegemm.jax.moe import moe_experts
@@ -156,6 +157,12 @@ class MoE(nn.Module):
     shared_experts > 0. Variables in "moe_state" (load_balance="bias"): "expert_bias" and "tokens_per_expert"
     [E] fp32. ``__call__(x [..., dim], *, train=False, return_aux_loss=False) -> [..., dim]`` in the compute
     dtype (``dtype``, None: x's), or ``(out, aux_loss)``; no host sync. ``backend`` is passed to ``moe_experts``.
+
+    ``ep_axis`` (expert parallelism, docs/design.md, 'Expert parallelism'): apply (and init) inside
+    ``jax.shard_map`` over that mesh axis of size P, which must divide num_experts; "w13" and "w2" are then this
+    device's E/P experts ([E/P, 2 * hidden_dim, dim], [E/P, dim, hidden_dim]; init draws each device's from its
+    axis index), the router and shared experts are replicated, and x is this device's tokens. The aux loss and
+    "tokens_per_expert" count this device's tokens (sum or average them over the axis as with data parallelism).
     """
 
     hidden_dim: int
@@ -173,6 +180,7 @@ class MoE(nn.Module):
     param_dtype: Any = jnp.float32
     init_std: float = 0.02
     backend: api.Backend = "auto"
+    ep_axis: Any = None
 
     def __post_init__(self):
         if self.load_balance not in ("aux_loss", "bias", None):
@@ -215,10 +223,28 @@ class MoE(nn.Module):
         if tokens is not None and train and self.is_mutable_collection(_STATE):
             tokens.value = tokens.value + counts
         n = self.hidden_dim
-        w13 = self.param("w13", _w13_init(n, self.init_std), (E, 2 * n, dim), self.param_dtype)
-        w2 = self.param("w2", _trunc_normal(self.init_std), (E, dim, n), self.param_dtype)
+        E_local, w13_init, w2_init = E, _w13_init(n, self.init_std), _trunc_normal(self.init_std)
+        if self.ep_axis is not None:
+            ep = _ep.axis_size(self.ep_axis)
+            if E % ep:
+                raise ValueError(
+                    f"MoE: num_experts={E} is not divisible by the {ep} devices of ep_axis={self.ep_axis!r}"
+                )
+            E_local, w13_init, w2_init = (
+                E // ep,
+                _ep.per_device_init(w13_init, self.ep_axis),
+                _ep.per_device_init(w2_init, self.ep_axis),
+            )
+        w13 = self.param("w13", w13_init, (E_local, 2 * n, dim), self.param_dtype)
+        w2 = self.param("w2", w2_init, (E_local, dim, n), self.param_dtype)
         out = moe_experts(
-            x2d, topk_ids, topk_weights, w13.astype(dtype), w2.astype(dtype), backend=self.backend
+            x2d,
+            topk_ids,
+            topk_weights,
+            w13.astype(dtype),
+            w2.astype(dtype),
+            backend=self.backend,
+            ep_axis=self.ep_axis,
         )
         if self.shared_experts:
             shared = SwiGLU(

@@ -515,7 +515,7 @@ def _k_grouped_mm_fp8(
 
 
 def moe_experts_reference(
-    x, topk_ids, topk_weights, w13, w2, *, activation: str = "swiglu", compute_dtype=jnp.float32
+    x, topk_ids, topk_weights, w13, w2, *, activation: str = "swiglu", compute_dtype=jnp.float32, expert_base=None
 ) -> jax.Array:
     """The expert block in jax.numpy (differentiable by autodiff, no sync, runs under jit):
     ``out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u)``, ``(g, u) = split(w13[e] @ x[t])``,
@@ -524,16 +524,28 @@ def moe_experts_reference(
     x [T, d]; topk_ids [T, k]; topk_weights [T, k]; w13 [E, 2n, d] (rows [0, n) gate, [n, 2n) up); w2 [E, d, n]
     -> out [T, d] in x's dtype. The kernels' clamps: an id outside [0, E) is clamped into it, a non-finite weight
     counts as 0. Rows sorted by expert and two ``jax.lax.ragged_dot`` in ``compute_dtype``, without the kernels'
-    roundings of the fc1 output and the activation."""
+    roundings of the fc1 output and the activation.
+
+    ``expert_base`` (expert parallelism, docs/design.md, 'Expert parallelism'; a Python int or a traced int32
+    scalar): w13 and w2 hold the E experts [expert_base, expert_base + E) of a larger set; topk_ids are global
+    ids, and a choice of any other expert is absent: it adds nothing, and its weight's gradient is 0."""
     if activation != "swiglu":
         raise ValueError(f"moe_experts_reference: activation {activation!r}; supported: 'swiglu'")
     (T, d), (E, two_n, _), k = x.shape, w13.shape, topk_ids.shape[1]
     n = two_n // 2
     if T * k == 0 or E == 0:
         return jnp.zeros((T, d), x.dtype)
-    ids = jnp.clip(topk_ids.reshape(-1), 0, E - 1).astype(jnp.int32)
+    weights = topk_weights.reshape(-1).astype(compute_dtype)
+    weights = jnp.where(jnp.isfinite(weights), weights, 0)
+    if expert_base is None:
+        ids = jnp.clip(topk_ids.reshape(-1), 0, E - 1).astype(jnp.int32)
+    else:
+        ids = topk_ids.reshape(-1).astype(jnp.int32) - jnp.asarray(expert_base, jnp.int32)
+        absent = (ids < 0) | (ids >= E)
+        ids = jnp.where(absent, E, ids)  # sorted after every group: rows ragged_dot leaves 0
+        weights = jnp.where(absent, 0, weights)
     order = jnp.argsort(ids, stable=True)
-    sizes = jnp.zeros(E, jnp.int32).at[ids].add(1)
+    sizes = jnp.zeros(E + 1, jnp.int32).at[ids].add(1)[:E]
     rows = x.astype(compute_dtype)[order // k]
 
     def dot(a, w):  # for e: a[rows(e)] @ w[e]^T
@@ -541,7 +553,6 @@ def moe_experts_reference(
 
     z = dot(rows, w13)
     y = dot(jax.nn.silu(z[:, :n]) * z[:, n:], w2)
-    weights = topk_weights.reshape(-1).astype(compute_dtype)
-    weights = jnp.where(jnp.isfinite(weights), weights, 0)[order]
+    weights = weights[order]
     out_rows = jnp.zeros((T * k, d), compute_dtype).at[order].set(y * weights[:, None])
     return out_rows.reshape(T, k, d).sum(1).astype(x.dtype)

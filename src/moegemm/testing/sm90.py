@@ -426,8 +426,16 @@ KERNELS = {
     **{
         f"moe-{op}": (lambda op=op: _moe(op))
         for op in (
-            "fc1", "fc2", "fc2-dgrad", "fc2-dgrad-tma-w", "fc1-wgrad", "fc2-wgrad", "combine", "fc1-ep",
-            "fc2-ep-tma-w", "fc2-dgrad-ep-tma-w",
+            "fc1",
+            "fc2",
+            "fc2-dgrad",
+            "fc2-dgrad-tma-w",
+            "fc1-wgrad",
+            "fc2-wgrad",
+            "combine",
+            "fc1-ep",
+            "fc2-ep-tma-w",
+            "fc2-dgrad-ep-tma-w",
         )  # fmt: skip
     },
     "m_grouped_fp8_ws": _m_grouped_fp8_ws,

@@ -9,6 +9,7 @@ which starts as that input, as in XLA. Needs TRITON_INTERPRET=1 set before trito
 from __future__ import annotations
 
 import collections
+import threading
 
 import jax
 import numpy as np
@@ -18,6 +19,9 @@ from moegemm._src.jax.launch import INTERPRET, Executor, KernelCall
 
 # Launches per kernel name, so tests can prove they went through the interpreter.
 CALLS: collections.Counter[str] = collections.Counter()
+# The interpreter patches triton.language globally while a kernel runs: callbacks of several devices (shard_map
+# over XLA host devices) run on several threads and must take turns.
+_LOCK = threading.Lock()
 
 
 def available() -> str | None:
@@ -90,8 +94,9 @@ def run(call: KernelCall):
                 outs.append(torch.zeros(shape.shape, dtype=getattr(torch, np.dtype(shape.dtype).name)))
             else:
                 outs.append(_poisoned(shape.shape, shape.dtype))
-        CALLS[call.kernel.fn.__name__] += 1
-        call.kernel[call.grid](*args, *outs, **call.meta)
+        with _LOCK:
+            CALLS[call.kernel.fn.__name__] += 1
+            call.kernel[call.grid](*args, *outs, **call.meta)
         results = tuple(_to_numpy(out, shape.dtype) for out, shape in zip(outs, out_shapes))
         return results[0] if single else results
 

@@ -37,18 +37,34 @@ from moegemm._src.kernels.m_grouped import m_grouped_mm_kernel
 from moegemm._src.moe import Routing
 
 
-def routing(topk_ids: jax.Array, topk_weights: jax.Array, E: int) -> Routing:
+def routing(topk_ids: jax.Array, topk_weights: jax.Array, E: int, expert_base=None) -> Routing:
     """``Routing`` of topk_ids [T, k] and topk_weights [T, k] over E experts: a stable argsort, counts by
-    scatter-add, the inverse permutation by scatter (shapes static, so it runs under jit)."""
+    scatter-add, the inverse permutation by scatter (shapes static, so it runs under jit).
+
+    ``expert_base`` (expert parallelism, docs/design.md, 'Expert parallelism'; None, a Python int or a traced
+    int32 scalar such as ``axis_index * E`` under shard_map): the E experts are [expert_base, expert_base + E) of
+    a larger set and a choice of any other expert is absent, as in the PyTorch glue: its row sorts after every
+    group (rows past sum(group_sizes), which no launch reads or writes), its pos is -1 (the combine skips it)
+    and its row_scale 0."""
     T, k = topk_ids.shape
     R = T * k
-    flat = jnp.clip(topk_ids.reshape(-1), 0, max(E - 1, 0)).astype(jnp.int32)
+    absent = None
+    if expert_base is None:
+        flat = jnp.clip(topk_ids.reshape(-1), 0, max(E - 1, 0)).astype(jnp.int32)
+    else:
+        local = topk_ids.reshape(-1).astype(jnp.int32) - jnp.asarray(expert_base, jnp.int32)
+        absent = (local < 0) | (local >= E)
+        flat = jnp.where(absent, E, local)  # key E: after every group
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-    group_sizes = jnp.zeros(E, jnp.int32).at[flat].add(1)
+    # Bin E counts the absent choices and is dropped (the scatter's explicit home, not an out-of-bounds index).
+    group_sizes = jnp.zeros(E + 1, jnp.int32).at[flat].add(1)[:E]
     gather = order // max(k, 1)
     pos = jnp.zeros(R, jnp.int32).at[order].set(jnp.arange(R, dtype=jnp.int32))
     weights = topk_weights.reshape(-1).astype(jnp.float32)
     weights = jnp.where(jnp.isfinite(weights), weights, 0.0)
+    if absent is not None:
+        pos = jnp.where(absent, -1, pos)
+        weights = jnp.where(absent, 0.0, weights)
     return Routing(gather, pos.reshape(T, k), group_sizes, weights[order])
 
 
@@ -199,10 +215,10 @@ def _empty(T: int, d: int, n: int, E: int, k: int) -> bool:
     return T * k == 0 or d == 0 or n == 0 or E == 0
 
 
-def _forward(x, topk_ids, topk_weights, w13, w2, executor: Executor):
+def _forward(x, topk_ids, topk_weights, w13, w2, expert_base, executor: Executor):
     """(out [T, d], z [R, 2n], Routing)."""
     (T, d), (E, two_n, _), k = x.shape, w13.shape, topk_ids.shape[1]
-    r = routing(topk_ids, topk_weights, E)
+    r = routing(topk_ids, topk_weights, E, expert_base)
     if _empty(T, d, two_n // 2, E, k):
         return jnp.zeros((T, d), x.dtype), jnp.zeros((T * k, two_n), x.dtype), r
     target = executor.target()
@@ -230,27 +246,49 @@ def _backward(dout, x, topk_weights, w13, w2, z, r: Routing, executor: Executor)
     dx_rows = _ops._m_grouped_mm_impl(dz, w13, r.group_sizes, None, x.dtype, False, executor)
     dx = executor.run(combine_call(dx_rows, r.pos, None, x.dtype))
     # The routing weights' gradient <dout[t], y_row>: the fc2 dgrad epilogue's per-tile sums, added in tile order.
-    dweights = ds.sum(0)[r.pos.reshape(-1)].reshape(T, k)
+    # An absent choice (pos -1, expert parallelism) has no row: its gradient is 0, not row -1's (no wrap).
+    flat_pos = r.pos.reshape(-1)
+    dweights = jnp.where(flat_pos >= 0, ds.sum(0)[jnp.maximum(flat_pos, 0)], 0.0).reshape(T, k)
     # A non-finite weight counts as the constant 0 in the forward, so its gradient is 0 (as the reference twin's).
     dweights = jnp.where(jnp.isfinite(topk_weights), dweights, 0.0)
     return dx, dweights.astype(topk_weights.dtype), dw13, dw2
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def moe_experts(x, topk_ids, topk_weights, w13, w2, executor: Executor):
-    """The block's out [T, d] (``moegemm.jax.moe.moe_experts``), differentiable in x, topk_weights, w13, w2."""
-    return _forward(x, topk_ids, topk_weights, w13, w2, executor)[0]
+def _varying(a: jax.Array) -> set:
+    """The manual mesh axes ``a`` varies over (jax 0.10: ``manual_axis_type.varying``; older: ``vma``)."""
+    aval = jax.typeof(a)
+    mat = getattr(aval, "manual_axis_type", None)
+    return set(mat.varying) if mat is not None else set(getattr(aval, "vma", ()))
 
 
-def _moe_experts_fwd(x, topk_ids, topk_weights, w13, w2, executor):
-    out, z, r = _forward(x, topk_ids, topk_weights, w13, w2, executor)
-    return out, (x, topk_weights, w13, w2, z, r)
+def _vary_like(out: jax.Array, like: jax.Array) -> jax.Array:
+    """``out`` varying over the manual mesh axes ``like`` varies over (shard_map's type check, expert
+    parallelism, docs/design.md, 'Expert parallelism'): a launch's outputs (a pure_callback's, a custom call's)
+    vary over none, and a custom_vjp's cotangents must have their primals' types."""
+    missing = tuple(sorted(_varying(like) - _varying(out)))
+    return jax.lax.pcast(out, missing, to="varying") if missing else out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def moe_experts(x, topk_ids, topk_weights, w13, w2, expert_base, executor: Executor):
+    """The block's out [T, d] (``moegemm.jax.moe.moe_experts``), differentiable in x, topk_weights, w13, w2.
+    ``expert_base``: None, or an int32 scalar array (traced under shard_map: an operand, not a static
+    argument): w13 and w2 hold experts [expert_base, expert_base + E) and other choices are absent
+    (``routing``), the expert-parallel local step (docs/design.md, 'Expert parallelism')."""
+    out = _forward(x, topk_ids, topk_weights, w13, w2, expert_base, executor)[0]
+    return _vary_like(out, x)
+
+
+def _moe_experts_fwd(x, topk_ids, topk_weights, w13, w2, expert_base, executor):
+    out, z, r = _forward(x, topk_ids, topk_weights, w13, w2, expert_base, executor)
+    return _vary_like(out, x), (x, topk_weights, w13, w2, z, r)
 
 
 def _moe_experts_bwd(executor, residuals, dout):
     x, topk_weights, w13, w2, z, r = residuals
-    dx, dweights, dw13, dw2 = _backward(dout, x, topk_weights, w13, w2, z, r, executor)
-    return dx, None, dweights, dw13, dw2
+    grads = _backward(dout, x, topk_weights, w13, w2, z, r, executor)
+    dx, dweights, dw13, dw2 = (_vary_like(g, p) for g, p in zip(grads, (x, topk_weights, w13, w2)))
+    return dx, None, dweights, dw13, dw2, None  # integer ids and expert_base: no cotangent
 
 
 moe_experts.defvjp(_moe_experts_fwd, _moe_experts_bwd)

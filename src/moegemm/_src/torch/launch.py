@@ -502,7 +502,17 @@ def _contiguous(name: str, t: torch.Tensor | None) -> None:
 
 
 def launch_m_grouped_fused(
-    x, w, group_sizes, out, *, gather=None, epilogue="", act=None, row_scale=None, act_out=None, fill_tail=True
+    x,
+    w,
+    group_sizes,
+    out,
+    *,
+    gather=None,
+    epilogue="",
+    act=None,
+    row_scale=None,
+    act_out=None,
+    fill_tail=True,
 ) -> torch.Tensor | None:
     """The expert block's m-grouped launches (docs/design.md, 'Fused expert block'), W = w [G, K, N] (any
     strides; an nn.Linear-layout weight [G, N, K] passed as its .mT view), M = out's rows:

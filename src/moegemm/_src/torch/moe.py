@@ -31,7 +31,9 @@ from moegemm._src.torch.launch import (
 from moegemm.torch import reference
 
 
-def routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, E: int, expert_base: int | None = None) -> Routing:
+def routing(
+    topk_ids: torch.Tensor, topk_weights: torch.Tensor, E: int, expert_base: int | None = None
+) -> Routing:
     """``Routing`` of topk_ids [T, k] and topk_weights [T, k] over E experts (device ops, no host sync:
     counts by scatter-add, where bincount would read the ids' maximum on the host).
 
@@ -86,7 +88,8 @@ def _forward(x, topk_ids, topk_weights, w13, w2, expert_base=None):
     )
     y = _ops.empty(R, d, dtype=x.dtype, device=x.device)
     if fill:
-        launch_m_grouped(h, w2, r.group_sizes, y, transpose_w=True)  # the plain launch: TMA where the plan takes it
+        # The plain launch: TMA where the plan takes it.
+        launch_m_grouped(h, w2, r.group_sizes, y, transpose_w=True)
     else:
         launch_m_grouped_fused(h, w2.mT, r.group_sizes, y, fill_tail=False)
     del h
@@ -273,7 +276,9 @@ class _MoEFunction(torch.autograd.Function):
     backward = staticmethod(_backward_from_ctx)
 
 
-def moe_experts(x, topk_ids, topk_weights, w13, w2, backend: str, expert_base: int | None = None) -> torch.Tensor:
+def moe_experts(
+    x, topk_ids, topk_weights, w13, w2, backend: str, expert_base: int | None = None
+) -> torch.Tensor:
     """The block's out [T, d] (``moegemm.torch.moe.moe_experts``), differentiable in x, topk_weights, w13, w2.
     ``expert_base``: w13 and w2 hold experts [expert_base, expert_base + E) of a larger set and choices of other
     experts are absent (``routing``); the expert-parallel path's local step."""
