@@ -59,11 +59,13 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import importlib.util
 import inspect
 import json
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -851,7 +853,17 @@ def main(args, argv, env, device: torch.device, console) -> int:
         **({"warmup": 2, "reps": 8} if args.quick else {}),
     )
     out = Path(args.out or report.default_out(env.device, args.name or "ep"))
-    return report_run(spec, sizes, cuda, out, env, argv, console)
+    rc = report_run(spec, sizes, cuda, out, env, argv, console)
+    if cuda and importlib.util.find_spec("jax_triton") is not None:
+        # The JAX EP bench (bench/ep_jax.py) in a child process: JAX and PyTorch would share one process's GPU
+        # memory. Its JSON sits beside this one (ep-jax.json).
+        cmd = [sys.executable, "-m", "moegemm.bench.ep_jax", "--ep-sizes", ",".join(map(str, sizes))]
+        cmd += ["--out", str(out.with_name(out.stem + "-jax.json"))]
+        if args.ep_shapes:
+            cmd += ["--ep-shapes", args.ep_shapes]
+        child_env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+        rc = max(rc, subprocess.run(cmd, env=child_env, check=False).returncode)
+    return rc
 
 
 def report_run(spec: Spec, sizes: list[int], cuda: bool, out: Path, env, argv, console) -> int:

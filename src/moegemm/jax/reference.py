@@ -515,7 +515,15 @@ def _k_grouped_mm_fp8(
 
 
 def moe_experts_reference(
-    x, topk_ids, topk_weights, w13, w2, *, activation: str = "swiglu", compute_dtype=jnp.float32, expert_base=None
+    x,
+    topk_ids,
+    topk_weights,
+    w13,
+    w2,
+    *,
+    activation: str = "swiglu",
+    compute_dtype=jnp.float32,
+    expert_base=None,
 ) -> jax.Array:
     """The expert block in jax.numpy (differentiable by autodiff, no sync, runs under jit):
     ``out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u)``, ``(g, u) = split(w13[e] @ x[t])``,

@@ -72,9 +72,10 @@ def routing(topk_ids: jax.Array, topk_weights: jax.Array, E: int, expert_base=No
 
 
 def _fused_plan(
-    op, M, N, K, G, dtype, max_stride, k_contiguous, gather, epilogue, target: Target
+    op, M, N, K, G, dtype, max_stride, k_contiguous, gather, epilogue, target: Target, fill_tail=True
 ) -> plan.Plan:
-    """The plan of one of the block's launches, with the PyTorch glue's Problem (``_fused_launch``)."""
+    """The plan of one of the block's launches, with the PyTorch glue's Problem (``_fused_launch``); fill_tail
+    False: the rows past the groups are left unwritten (the expert-parallel local step's absent rows)."""
     problem = plan.Problem(
         op,
         M,
@@ -88,6 +89,7 @@ def _fused_plan(
         a_k_contiguous=k_contiguous if op == plan.K_GROUPED else True,
         gather=gather,
         epilogue=epilogue,
+        fill_tail=fill_tail,
     )
     return _launch._plan(problem, target)
 
@@ -117,14 +119,15 @@ def _unused(dtype=jnp.float32) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((1,), jnp.dtype(dtype))
 
 
-def fc1_call(x: jax.Array, w13: jax.Array, r: Routing, target: Target) -> KernelCall:
+def fc1_call(x: jax.Array, w13: jax.Array, r: Routing, target: Target, fill_tail: bool = True) -> KernelCall:
     """z [R, 2n] and h [R, n] = silu(z[:, :n]) * z[:, n:], z = x[gather[rows(e)]] @ w13[e]^T per expert e.
     Outputs (z, 3 unused, h)."""
     (R,), (_, d), (E, two_n, _) = r.gather.shape, x.shape, w13.shape
     w_strides = (two_n * d, 1, d)  # w13 [E, 2n, d] read as W [E, d, 2n]
     chosen = _fused_plan(
-        plan.M_GROUPED, R, two_n, d, E, x.dtype, max(d, two_n // 2, 1), d != 1, ("x",), "swiglu", target
-    )
+        plan.M_GROUPED, R, two_n, d, E, x.dtype, max(d, two_n // 2, 1), d != 1, ("x",), "swiglu", target,
+        fill_tail,
+    )  # fmt: skip
     args = (x, w13, r.group_sizes, r.group_sizes, x, r.gather)  # no group offset, no bias
     outs = (
         jax.ShapeDtypeStruct((R, two_n), x.dtype),  # act: z
@@ -137,13 +140,40 @@ def fc1_call(x: jax.Array, w13: jax.Array, r: Routing, target: Target) -> Kernel
     return KernelCall(m_grouped_mm_kernel, chosen.grid, args, outs, meta, {})
 
 
-def fc2_dgrad_call(dout: jax.Array, w2: jax.Array, z: jax.Array, r: Routing, target: Target) -> KernelCall:
+def rows_call(a: jax.Array, w: jax.Array, w_strides, N: int, r: Routing, target: Target) -> KernelCall:
+    """out [R, N] = a[rows(e)] @ W[e] per expert e, W[e] [K, N] read from w with ``w_strides`` (group, K, N);
+    the rows past the groups are left unwritten (the expert-parallel local step's fc2 and dx rows, whose absent
+    rows nothing reads). Outputs (4 unused, out)."""
+    (R, K), E = a.shape, r.group_sizes.shape[0]
+    chosen = _fused_plan(
+        plan.M_GROUPED, R, N, K, E, a.dtype, max(K, N, 1), w_strides[1] == 1, (), "", target, False
+    )
+    args = (a, w, r.group_sizes, r.group_sizes, a, r.group_sizes)  # no offset, bias or gather
+    outs = (_unused(), _unused(), _unused(a.dtype), _unused(), jax.ShapeDtypeStruct((R, N), a.dtype))
+    meta = {**chosen.meta, **_m_sizes(R, N, K, E, w_strides, N)}
+    return KernelCall(m_grouped_mm_kernel, chosen.grid, args, outs, meta, {})
+
+
+def fc2_dgrad_call(
+    dout: jax.Array, w2: jax.Array, z: jax.Array, r: Routing, target: Target, fill_tail: bool = True
+) -> KernelCall:
     """fc2's dgrad with the SwiGLU backward: dh = dout[gather[rows(e)]] @ w2[e] [R, n]; outputs (hs = s * h
     [R, n], ds [cdiv(n, BLOCK_N), R] fp32 = per-column-tile sums of dh * h, dz [R, 2n]), s = row_scale,
     BLOCK_N the plan's."""
     (R,), (_, d), (E, _, n) = r.gather.shape, dout.shape, w2.shape
     chosen = _fused_plan(
-        plan.M_GROUPED, R, n, d, E, dout.dtype, max(d, 2 * n, 1), False, ("x",), "swiglu_bwd", target
+        plan.M_GROUPED,
+        R,
+        n,
+        d,
+        E,
+        dout.dtype,
+        max(d, 2 * n, 1),
+        False,
+        ("x",),
+        "swiglu_bwd",
+        target,
+        fill_tail,
     )
     args = (dout, w2, r.group_sizes, r.group_sizes, dout, r.gather, z, r.row_scale)
     outs = (
@@ -222,14 +252,20 @@ def _forward(x, topk_ids, topk_weights, w13, w2, expert_base, executor: Executor
     if _empty(T, d, two_n // 2, E, k):
         return jnp.zeros((T, d), x.dtype), jnp.zeros((T * k, two_n), x.dtype), r
     target = executor.target()
-    z, *_, h = executor.run(fc1_call(x, w13, r, target))
-    y = _ops._m_grouped_mm_impl(h, w2, r.group_sizes, None, x.dtype, True, executor)
+    # With absent rows (expert_base) nothing reads the rows past the groups: no launch writes them.
+    fill = expert_base is None
+    z, *_, h = executor.run(fc1_call(x, w13, r, target, fill))
+    if fill:
+        y = _ops._m_grouped_mm_impl(h, w2, r.group_sizes, None, x.dtype, True, executor)
+    else:  # w2 [E, d, n] read as W [E, n, d]
+        y = executor.run(rows_call(h, w2, (d * two_n // 2, 1, two_n // 2), d, r, target))[-1]
     out = executor.run(combine_call(y, r.pos, topk_weights, x.dtype))
     return out, z, r
 
 
-def _backward(dout, x, topk_weights, w13, w2, z, r: Routing, executor: Executor):
-    """(dx, dtopk_weights, dw13, dw2)."""
+def _backward(dout, x, topk_weights, w13, w2, z, r: Routing, executor: Executor, absent: bool = False):
+    """(dx, dtopk_weights, dw13, dw2); absent: the forward had absent rows (expert_base), which the launches
+    leave unwritten."""
     (T, d), (E, two_n, _), k = x.shape, w13.shape, r.pos.shape[1]
     if _empty(T, d, two_n // 2, E, k):
         return (
@@ -240,10 +276,13 @@ def _backward(dout, x, topk_weights, w13, w2, z, r: Routing, executor: Executor)
         )
     target = executor.target()
     dout = dout.astype(x.dtype)  # the kernels take one operand dtype
-    hs, ds, dz = executor.run(fc2_dgrad_call(dout, w2, z, r, target))
+    hs, ds, dz = executor.run(fc2_dgrad_call(dout, w2, z, r, target, not absent))
     dw2 = executor.run(wgrad_call(dout, hs, r, w2.dtype, target, gather_a=True))
     dw13 = executor.run(wgrad_call(dz, x, r, w13.dtype, target, gather_b=True))
-    dx_rows = _ops._m_grouped_mm_impl(dz, w13, r.group_sizes, None, x.dtype, False, executor)
+    if absent:  # w13 [E, 2n, d] is W [E, 2n, d]
+        dx_rows = executor.run(rows_call(dz, w13, (two_n * d, d, 1), d, r, target))[-1]
+    else:
+        dx_rows = _ops._m_grouped_mm_impl(dz, w13, r.group_sizes, None, x.dtype, False, executor)
     dx = executor.run(combine_call(dx_rows, r.pos, None, x.dtype))
     # The routing weights' gradient <dout[t], y_row>: the fc2 dgrad epilogue's per-tile sums, added in tile order.
     # An absent choice (pos -1, expert parallelism) has no row: its gradient is 0, not row -1's (no wrap).
@@ -261,12 +300,25 @@ def _varying(a: jax.Array) -> set:
     return set(mat.varying) if mat is not None else set(getattr(aval, "vma", ()))
 
 
-def _vary_like(out: jax.Array, like: jax.Array) -> jax.Array:
-    """``out`` varying over the manual mesh axes ``like`` varies over (shard_map's type check, expert
-    parallelism, docs/design.md, 'Expert parallelism'): a launch's outputs (a pure_callback's, a custom call's)
-    vary over none, and a custom_vjp's cotangents must have their primals' types."""
-    missing = tuple(sorted(_varying(like) - _varying(out)))
+def _vary(out: jax.Array, axes: set) -> jax.Array:
+    """``out`` varying over ``axes`` too (shard_map's type check, expert parallelism, docs/design.md, 'Expert
+    parallelism'): a launch's outputs (a pure_callback's, a custom call's) vary over no axis, yet depend on every
+    input."""
+    missing = tuple(sorted(axes - _varying(out)))
     return jax.lax.pcast(out, missing, to="varying") if missing else out
+
+
+def _all_varying(*arrays) -> set:
+    return set().union(*(_varying(a) for a in arrays if a is not None))
+
+
+def _cotangent(g: jax.Array, primal: jax.Array, axes: set) -> jax.Array:
+    """The cotangent ``g`` of ``primal``, computed per device from inputs varying over ``axes``, with
+    ``primal``'s type: summed over the axes ``primal`` does not vary over (the transpose of an invariant value
+    used in a varying computation, as JAX's own AD does)."""
+    extra = tuple(sorted(axes - _varying(primal)))
+    g = _vary(g, axes)
+    return jax.lax.psum(g, extra) if extra else g
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -276,18 +328,20 @@ def moe_experts(x, topk_ids, topk_weights, w13, w2, expert_base, executor: Execu
     argument): w13 and w2 hold experts [expert_base, expert_base + E) and other choices are absent
     (``routing``), the expert-parallel local step (docs/design.md, 'Expert parallelism')."""
     out = _forward(x, topk_ids, topk_weights, w13, w2, expert_base, executor)[0]
-    return _vary_like(out, x)
+    return _vary(out, _all_varying(x, topk_ids, topk_weights, w13, w2, expert_base))
 
 
 def _moe_experts_fwd(x, topk_ids, topk_weights, w13, w2, expert_base, executor):
     out, z, r = _forward(x, topk_ids, topk_weights, w13, w2, expert_base, executor)
-    return _vary_like(out, x), (x, topk_weights, w13, w2, z, r)
+    out = _vary(out, _all_varying(x, topk_ids, topk_weights, w13, w2, expert_base))
+    return out, (x, topk_weights, w13, w2, z, r, expert_base)
 
 
 def _moe_experts_bwd(executor, residuals, dout):
-    x, topk_weights, w13, w2, z, r = residuals
-    grads = _backward(dout, x, topk_weights, w13, w2, z, r, executor)
-    dx, dweights, dw13, dw2 = (_vary_like(g, p) for g, p in zip(grads, (x, topk_weights, w13, w2)))
+    x, topk_weights, w13, w2, z, r, expert_base = residuals  # expert_base None (an empty pytree) or an array
+    axes = _all_varying(dout, x, topk_weights, w13, w2, *r)  # r: of topk_ids and expert_base
+    grads = _backward(dout, x, topk_weights, w13, w2, z, r, executor, expert_base is not None)
+    dx, dweights, dw13, dw2 = (_cotangent(g, p, axes) for g, p in zip(grads, (x, topk_weights, w13, w2)))
     return dx, None, dweights, dw13, dw2, None  # integer ids and expert_base: no cotangent
 
 

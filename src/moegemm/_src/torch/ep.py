@@ -30,7 +30,11 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from moegemm._src.torch import moe as _moe
+from moegemm._src.torch.launch import reserved_sms
+
+# SMs the chunked pipeline's expert launches leave to NCCL's kernels (docs/design.md, 'Expert parallelism'): a
+# persistent GEMM sized to every SM waits for the SMs a concurrent collective holds.
+OVERLAP_SMS = 24
 
 __all__ = [
     "TokenDispatcher",
@@ -43,6 +47,14 @@ __all__ = [
 # torch 2.13 renamed the tensor collectives (the old names warn); older torch has only the old ones.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _local():
+    """moegemm._src.torch.moe, imported on first use: it imports moegemm.torch, whose __init__ imports this
+    module's dispatchers (a top-level import would make importing this module first a cycle)."""
+    from moegemm._src.torch import moe
+
+    return moe
 
 
 def _group_size_rank(group) -> tuple[int, int]:
@@ -220,7 +232,7 @@ class TorchtitanTokenDispatcher:
         del num_local_tokens_per_expert_E
         disp = self.dispatcher
         x_all, ids_all, weights_all = disp.dispatch(x_TD, topk_expert_ids_TK, topk_scores_TK)
-        r = _moe.routing(ids_all, weights_all, disp.num_local_experts, disp.expert_base)
+        r = _local().routing(ids_all, weights_all, disp.num_local_experts, disp.expert_base)
         routed_input_RD = x_all.index_select(0, r.gather.long())
         return routed_input_RD, r.group_sizes, TorchtitanDispatchMetadata(r.pos, weights_all)
 
@@ -333,10 +345,10 @@ class _Pipeline(torch.autograd.Function):
             x_all, ids_all, w_all = (_wait(p) for p in pending)
             if i + 1 < len(bounds):
                 pending = start(i + 1)  # under this chunk's GEMMs
-            with torch.set_grad_enabled(track):
+            with torch.set_grad_enabled(track), reserved_sms(OVERLAP_SMS if len(bounds) > 1 else 0):
                 x_all = x_all.detach().requires_grad_(need_x)
                 w_all = w_all.detach().requires_grad_(need_w)
-                y = _moe.moe_experts(x_all, ids_all, w_all, w13_leaf, w2_leaf, backend, disp.expert_base)
+                y = _local().moe_experts(x_all, ids_all, w_all, w13_leaf, w2_leaf, backend, disp.expert_base)
             graphs.append((y, x_all, w_all))
             scatters.append(_scatter_start(y.detach(), group))  # under the next chunk's GEMMs
         out = torch.cat([_wait(s) for s in scatters]) if scatters else x.new_zeros(x.shape)
@@ -378,7 +390,8 @@ class _Pipeline(torch.autograd.Function):
             ]
             grads = dict.fromkeys(("x", "w", "13", "2"))
             if y.requires_grad:
-                got = torch.autograd.grad(y, [t for _, t in wanted], g, allow_unused=True)
+                with reserved_sms(OVERLAP_SMS if len(bounds) > 1 else 0):
+                    got = torch.autograd.grad(y, [t for _, t in wanted], g, allow_unused=True)
                 grads.update({n: gr for (n, _), gr in zip(wanted, got)})
             del y
             if need_x:

@@ -470,13 +470,43 @@ def launch_m_grouped(x, w, group_sizes, out, bias=None, transpose_w: bool = Fals
         _reduce_splits(dst, out, 0, (0, *so))
 
 
+# SMs the expert block's launches leave free while collectives run beside them (``reserved_sms``; docs/design.md,
+# 'Expert parallelism'): a persistent launch sized to every SM would wait for the SMs NCCL's kernels hold.
+_reserved_sms = 0
+
+
+@contextlib.contextmanager
+def reserved_sms(count: int):
+    """Within the block, the expert block's launches (``launch_m_grouped_fused``, ``launch_k_grouped_fused``) size
+    their persistent grids to the SM count less ``count``."""
+    global _reserved_sms
+    before, _reserved_sms = _reserved_sms, count
+    try:
+        yield
+    finally:
+        _reserved_sms = before
+
+
 @functools.lru_cache(maxsize=1024)
 def _fused_launch(
-    op, M, N, K, G, dtype, device, max_stride, k_contiguous, gather, epilogue, tma_load=False, fill_tail=True
+    op,
+    M,
+    N,
+    K,
+    G,
+    dtype,
+    device,
+    max_stride,
+    k_contiguous,
+    gather,
+    epilogue,
+    tma_load=False,
+    fill_tail=True,
+    reserved=0,
 ) -> plan.Plan:
     """The plan of one of the expert block's launches (``launch_m_grouped_fused``, ``launch_k_grouped_fused``):
     k_contiguous is w's (m-grouped) or a's (k-grouped) K stride being 1; tma_load: w's layout takes a descriptor
-    (m-grouped; gathered x rows never do)."""
+    (m-grouped; gathered x rows never do); reserved: SMs the persistent grid leaves free (``reserved_sms``)."""
     problem = plan.Problem(
         op,
         M,
@@ -493,7 +523,10 @@ def _fused_launch(
         tma_load_layout=tma_load,
         fill_tail=fill_tail,
     )
-    return plan.plan(problem, _target(device), CAPABILITIES)
+    target = _target(device)
+    if reserved and target.name != "interpret":
+        target = target._replace(programs=max(1, target.programs - reserved))
+    return plan.plan(problem, target, CAPABILITIES)
 
 
 def _contiguous(name: str, t: torch.Tensor | None) -> None:
@@ -561,6 +594,7 @@ def launch_m_grouped_fused(
         epilogue,
         tma_load,
         fill_tail,
+        _reserved_sms,
     )
     chosen = _fused_launch(*spec)
     ds = None
@@ -661,6 +695,9 @@ def launch_k_grouped_fused(a, b, group_sizes, out, *, gather_a=None, gather_b=No
         sa[1] == 1 and sa[0] != 1,
         gather,
         "",
+        False,
+        True,
+        _reserved_sms,
     )
     if G == 0 or K == 0 or N == 0:
         return
