@@ -358,13 +358,17 @@ def test_second_backward_raises_clearly():
         out.sum().backward()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "backend, wgrad_gather", [("triton", True), ("triton", False), ("reference", None)]
+)
 @pytest.mark.parametrize("case", ["spread", "one rank idle"])
-def test_expert_base_local_steps_sum_to_the_whole_block(backend, case):
+def test_expert_base_local_steps_sum_to_the_whole_block(backend, wgrad_gather, case):
     """Expert parallelism's local step (docs/design.md, 'Expert parallelism'): with w13/w2 holding experts
     [expert_base, expert_base + E_local), the choices of other experts are absent, so the P local steps' outputs
     and dx, dweights sum to the whole block's, and each step's dw13/dw2 are the whole block's slices. The launches
-    leave the absent rows unwritten (outputs NaN-poisoned by conftest) and the combine never reads them."""
+    leave the absent rows unwritten (outputs NaN-poisoned by conftest) and the combine never reads them; the
+    wgrads read the routed rows by index or from copies of them alone (``wgrad_gather``)."""
+    plan.constrain(wgrad_gather=wgrad_gather)
     P, El = 3, 2
     x, ids, weights, w13, w2 = make(11, 24, 16, P * El, 3, seed=5)
     if case == "one rank idle":

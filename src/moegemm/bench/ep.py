@@ -76,6 +76,8 @@ import torch
 import torch.distributed as dist
 
 from moegemm.bench import moe
+from moegemm.bench.moe import _csv
+from moegemm.bench.report import _fmt
 
 # torch 2.13 renamed the tensor collectives (the old names warn); older torch has only the old ones.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -719,14 +721,6 @@ def run(
 
 
 # ---------------------------------------------------------------- CLI, table, JSON
-
-
-def _csv(text: str | None) -> list[str]:
-    return [t.strip() for t in (text or "").split(",") if t.strip()]
-
-
-def _fmt(v, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
 
 
 def table(records: list[dict], title: str, check_only: bool):

@@ -281,7 +281,8 @@ def _moe(op: str):
     """The expert block's launches at Qwen3-30B-A3B's sizes (T 32768, k 8: R = 262144 rows; d 2048, n 768, E 128),
     with the config the H100 plan picks (docs/design.md, 'Fused expert block'): "fc1" (gather, SwiGLU), "fc2",
     "fc2-dgrad" (gather, SwiGLU backward; "-tma-w": w2 through TMA), "fc1-wgrad" (b gathered), "fc2-wgrad" (a gathered), "combine";
-    "-ep": the expert-parallel local step's launches, which leave the rows past the groups alone (FILL_TAIL off)."""
+    "-ep": the expert-parallel local step's launches, which leave the rows past the groups alone (FILL_TAIL off);
+    "gather-rows": its wgrads' row copies."""
     from moegemm._src import plan
 
     R, d, n, E = 262144, 2048, 768, 128
@@ -292,6 +293,11 @@ def _moe(op: str):
                     BLOCK_D=combine.BLOCK_D, num_warps=combine.NUM_WARPS)  # fmt: skip
         pointers = {"rows_ptr": "*bf16", "pos_ptr": "*i32", "weight_ptr": "*fp32", "out_ptr": "*bf16"}
         return combine.combine_kernel, meta, pointers, dict(T=32768, R=R)
+    if op == "gather-rows":
+        meta = dict(D=d, stride_sm=d, stride_om=d, BLOCK_G=E, BLOCK_R=combine.GATHER_BLOCK_R,
+                    BLOCK_D=combine.GATHER_BLOCK_D, num_warps=4)  # fmt: skip
+        pointers = {"src_ptr": "*bf16", "index_ptr": "*i32", "group_sizes_ptr": "*i32", "out_ptr": "*bf16"}
+        return combine.gather_rows_kernel, meta, pointers, dict(S=32768, R=R, G=E)
     if op.endswith("wgrad"):
         Kw, Nw, gather = (2 * n, d, ("b",)) if op == "fc1-wgrad" else (d, n, ("a",))
         problem = plan.Problem(plan.K_GROUPED, R, Nw, Kw, E, "bfloat16", gather=gather)
@@ -436,6 +442,7 @@ KERNELS = {
             "fc1-ep",
             "fc2-ep-tma-w",
             "fc2-dgrad-ep-tma-w",
+            "gather-rows",
         )  # fmt: skip
     },
     "m_grouped_fp8_ws": _m_grouped_fp8_ws,

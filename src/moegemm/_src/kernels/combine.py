@@ -6,6 +6,8 @@ The expert block's last step and its dx (docs/design.md, 'Fused expert block'): 
 and summed in fp32. A negative position is an absent choice (an expert on another rank, docs/design.md, 'Expert
 parallelism'): it adds nothing and its row is not read. A position past R is clamped into [0, R), and a
 non-finite weight counts as 0.
+
+``gather_rows_kernel``: the rows of a row index up to a device-side count (the expert-parallel wgrads' copies).
 """
 
 from __future__ import annotations
@@ -58,3 +60,46 @@ def combine_kernel(
 
 def grid(T: int, D: int) -> tuple[int, int]:
     return (triton.cdiv(T, BLOCK_T), triton.cdiv(D, BLOCK_D))
+
+
+@triton.jit
+def gather_rows_kernel(
+    src_ptr,
+    index_ptr,
+    group_sizes_ptr,
+    out_ptr,
+    S,
+    R,
+    G,
+    D: tl.constexpr,
+    stride_sm: tl.constexpr,
+    stride_om: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """``out[r] = src[index[r]]`` for the rows r < sum(group_sizes) (at most R); the rows past them are neither
+    read nor written. Shapes: src [S, D], index [R] int32 (clamped into [0, S)), group_sizes [G], out [R, D]
+    (row strides any, unit column strides). The expert-parallel local step's wgrad operands in expert order
+    (docs/design.md, 'Expert parallelism'): only the routed rows move, not the absent ones after them."""
+    offs_g = tl.arange(0, BLOCK_G)
+    sizes = tl.load(group_sizes_ptr + offs_g, mask=offs_g < G, other=0).to(tl.int64)
+    total = tl.minimum(tl.sum(tl.maximum(sizes, 0), 0), R)
+    row0 = tl.program_id(0).to(tl.int64) * BLOCK_R
+    if row0 < total:
+        offs_r = row0 + tl.arange(0, BLOCK_R)
+        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        r_mask = offs_r < total
+        mask = r_mask[:, None] & (offs_d < D)[None, :]
+        idx = tl.load(index_ptr + offs_r, mask=r_mask, other=0).to(tl.int64)
+        idx = tl.minimum(tl.maximum(idx, 0), S - 1)
+        rows = tl.load(src_ptr + idx[:, None] * stride_sm + offs_d[None, :], mask=mask, other=0.0)
+        tl.store(out_ptr + offs_r[:, None] * stride_om + offs_d[None, :], rows, mask=mask)
+
+
+GATHER_BLOCK_R = 16
+GATHER_BLOCK_D = 512
+
+
+def gather_rows_grid(R: int, D: int) -> tuple[int, int]:
+    return (triton.cdiv(R, GATHER_BLOCK_R), triton.cdiv(D, GATHER_BLOCK_D))

@@ -264,6 +264,7 @@ M_GROUPED = DirectLaunch(m_grouped_mm_kernel)
 STAGE_ROWS = DirectLaunch(stage_rows.stage_rows_kernel)
 SPLIT_REDUCE = DirectLaunch(split_k_kernels.reduce_kernel)
 COMBINE = DirectLaunch(combine_kernels.combine_kernel)
+GATHER_ROWS = DirectLaunch(combine_kernels.gather_rows_kernel)
 K_GROUPED = DirectLaunch(k_grouped_mm_kernel)
 K_GROUPED_WS = DirectLaunch(k_ws.k_grouped_mm_ws_kernel, descriptors=True)
 
@@ -278,6 +279,7 @@ def clear_launch_cache() -> None:
     STAGE_ROWS.clear()
     SPLIT_REDUCE.clear()
     COMBINE.clear()
+    GATHER_ROWS.clear()
     K_GROUPED.clear()
     K_GROUPED_WS.clear()
 
@@ -671,6 +673,43 @@ def launch_combine(rows, pos, weight, out) -> None:
         (rows, pos, pos if weight is None else weight, out),
         (T, R),
         lambda: _CombineLaunch(T, D, top_k, rows.stride(0), out.stride(0), weight is not None),
+    )
+
+
+class _GatherRowsLaunch:
+    """The launch description of one gather_rows_kernel launch."""
+
+    def __init__(self, R: int, D: int, G: int, stride_sm: int, stride_om: int) -> None:
+        self.grid = combine_kernels.gather_rows_grid(R, D)
+        self.meta = dict(
+            D=D,
+            stride_sm=stride_sm,
+            stride_om=stride_om,
+            BLOCK_G=max(16, triton.next_power_of_2(G)),
+            BLOCK_R=combine_kernels.GATHER_BLOCK_R,
+            BLOCK_D=combine_kernels.GATHER_BLOCK_D,
+            num_warps=4,
+        )
+
+
+def launch_gather_rows(src, index, group_sizes, out) -> None:
+    """out [R, D] rows r < sum(group_sizes) = src[index[r]]; the rows past them are left as they are. src [S, D],
+    index [R] int32 contiguous, unit column strides (the expert-parallel wgrads' row copies; docs/design.md,
+    'Expert parallelism')."""
+    (S, D), (R,), G = src.shape, index.shape, group_sizes.shape[0]
+    if R == 0 or D == 0 or S == 0 or G == 0:
+        return
+    _contiguous("index", index)
+    if src.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError(
+            f"gather_rows: src and out need unit column strides, got {src.stride()} and {out.stride()}"
+        )
+    spec = ("gather_rows", D, G, src.stride(0), out.stride(0), src.dtype, out.device)
+    GATHER_ROWS.launch(
+        spec,
+        (src, index, group_sizes, out),
+        (S, R, G),
+        lambda: _GatherRowsLaunch(R, D, G, src.stride(0), out.stride(0)),
     )
 
 

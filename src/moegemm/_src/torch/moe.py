@@ -23,6 +23,7 @@ from moegemm._src.torch.launch import (
     CAPABILITIES,
     _target,
     launch_combine,
+    launch_gather_rows,
     launch_k_grouped,
     launch_k_grouped_fused,
     launch_m_grouped,
@@ -104,7 +105,7 @@ def _backward(dout, x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_s
     token index (or copies in expert order: ``plan.wgrad_gathers_rows``); dx sums each token's k rows of
     dz @ w13[e]. z: the kept pre-activation, or a one-element list holding it (emptied here, so that z is freed
     after its one use when nothing else holds it). absent: the forward had absent rows (expert_base): the
-    launches leave the rows past the groups alone and the wgrads read rows by index, never copying all R."""
+    launches leave the rows past the groups alone, and wgrad copies hold the routed rows only."""
     if isinstance(z, list):
         z = z.pop()
     T, d = x.shape
@@ -126,12 +127,21 @@ def _backward(dout, x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_s
         fill_tail=not absent,
     )
     del z  # its one use (_setup_eager)
-    gathered = absent or plan.wgrad_gathers_rows(R, two_n // 2, d, E, _target(x.device), CAPABILITIES)
+    gathered = plan.wgrad_gathers_rows(R, two_n // 2, d, E, _target(x.device), CAPABILITIES)
+
+    def rows_of(t):
+        """t's rows in expert order (the wgrads' copies): with absent rows, only the routed ones move."""
+        if not absent:
+            return t.index_select(0, gather)
+        out = _ops.empty(R, t.shape[1], dtype=t.dtype, device=t.device)
+        launch_gather_rows(t, gather, group_sizes, out)
+        return out
+
     dw2 = _ops.empty(E, d, two_n // 2, dtype=w2.dtype, device=x.device)
     if gathered:
         launch_k_grouped_fused(dout, hs, group_sizes, dw2, gather_a=gather)
     else:
-        launch_k_grouped(dout.index_select(0, gather), hs, group_sizes, dw2, False)
+        launch_k_grouped(rows_of(dout), hs, group_sizes, dw2, False)
     del hs
     # dx before dw13: dx's [R, d] rows then live beside dz alone, not beside dw13 too (the backward's peak).
     dx_rows = _ops.empty(R, d, dtype=x.dtype, device=x.device)
@@ -146,7 +156,7 @@ def _backward(dout, x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_s
     if gathered:
         launch_k_grouped_fused(dz, x, group_sizes, dw13, gather_b=gather)
     else:
-        launch_k_grouped(dz, x.index_select(0, gather), group_sizes, dw13, False)
+        launch_k_grouped(dz, rows_of(x), group_sizes, dw13, False)
     del dz
     # The routing weights' gradient <dout[t], y_row>: the fc2 epilogue's per-tile sums, added in tile order.
     # An absent choice (pos -1, expert parallelism) has no row: its gradient is 0.
