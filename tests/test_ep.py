@@ -243,6 +243,28 @@ def test_moe_layer_with_ep_group_matches_the_whole_layer():
     spawn(_check_moe_layer, 2, "reference")
 
 
+def _check_compiled_moe_layer(rank, P):
+    """torch.compile of an MoE(ep_group=) (the EP call is one autograd.Function whose collectives Dynamo leaves
+    to eager) gives the eager forward and input gradient."""
+    from moegemm.testing import assert_rel_close
+    from moegemm.torch import MoE
+
+    torch.manual_seed(0)
+    layer = MoE(32, 16, 4 * P, 2, backend="reference", ep_group=dist.group.WORLD)
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    want = layer(x)
+    want.sum().backward()
+    want_dx, x.grad = x.grad.clone(), None
+    got = torch.compile(layer)(x)
+    got.sum().backward()
+    assert_rel_close(got.detach(), want.detach(), torch.float32, what=f"rank {rank} compiled MoE out")
+    assert_rel_close(x.grad, want_dx, torch.float32, what=f"rank {rank} compiled MoE dx")
+
+
+def test_compiled_moe_layer_with_ep_group_matches_eager():
+    spawn(_check_compiled_moe_layer, 2)
+
+
 # ---------------------------------------------------------------- torchtitan's contract
 
 
