@@ -65,11 +65,13 @@ def grads(block, args, dout, jit=False):
 
 
 def _cases(E):
-    """(name, (T, k), ids edit): an expert with zero tokens; one hot expert (every token's first choice);
+    """(name, (T, k), ids edit): an expert with zero tokens (and two ids out of range); one hot expert (every
+    token's first choice);
     k = 1 with every token on the last expert (all but one device have no rows)."""
 
     def no_expert_1(ids):
         ids[ids == 1] = 0  # a token may then choose expert 0 twice: each counts
+        ids[0, 0], ids[-1, -1] = E + 5, -3  # out of range: clamped, on every device as on one
         return ids
 
     def hot(ids):

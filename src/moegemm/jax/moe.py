@@ -82,8 +82,8 @@ def moe_experts(
     ``jax.shard_map`` over it. Per device r of its P: x [T_r, d], topk_ids [T_r, k] (global ids in [0, P * E_l)),
     topk_weights [T_r, k], w13 [E_l, 2n, d] and w2 [E_l, d, n] its experts [r * E_l, (r + 1) * E_l) -> out
     [T_r, d], the single-device result on its tokens; ``all_gather`` tokens, the local experts' block,
-    ``psum_scatter`` (``moegemm._src.jax.ep``). An id outside [0, P * E_l) is no device's: it adds nothing
-    (not clamped).
+    ``psum_scatter`` (``moegemm._src.jax.ep``). An id outside [0, P * E_l) is clamped into it, as on one device
+    and in the PyTorch op.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"moe_experts: activation {activation!r}; supported: {ACTIVATIONS}")

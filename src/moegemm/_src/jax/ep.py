@@ -39,6 +39,9 @@ def moe_experts(x, topk_ids, topk_weights, w13, w2, ep_axis, local_step: Callabl
     """out [T_r, d] of this device's tokens over all P * E_l experts (module docstring). ``local_step(x, ids,
     weights, w13, w2, expert_base)`` is the single-device block with ``expert_base`` an int32 scalar."""
     E_local = w13.shape[0]
+    # Clamped into the global range, as the single-device block clamps ids (an out-of-range id would otherwise
+    # be no device's and add nothing).
+    topk_ids = jnp.clip(topk_ids, 0, max(E_local * axis_size(ep_axis) - 1, 0))
     rank = jax.lax.axis_index(ep_axis)
     expert_base = (rank * E_local).astype(jnp.int32)  # traced: an operand of the custom_vjp, not static
     gather = lambda a: jax.lax.all_gather(a, ep_axis, axis=0, tiled=True)
