@@ -358,9 +358,7 @@ def test_second_backward_raises_clearly():
         out.sum().backward()
 
 
-@pytest.mark.parametrize(
-    "backend, wgrad_gather", [("triton", True), ("triton", False), ("reference", None)]
-)
+@pytest.mark.parametrize("backend, wgrad_gather", [("triton", True), ("triton", False), ("reference", None)])
 @pytest.mark.parametrize("case", ["spread", "one rank idle"])
 def test_expert_base_local_steps_sum_to_the_whole_block(backend, wgrad_gather, case):
     """Expert parallelism's local step (docs/design.md, 'Expert parallelism'): with w13/w2 holding experts
