@@ -244,8 +244,8 @@ def test_moe_layer_with_ep_group_matches_the_whole_layer():
 
 
 def _check_compiled_moe_layer(rank, P):
-    """torch.compile of an MoE(ep_group=) (the EP call is one autograd.Function whose collectives Dynamo leaves
-    to eager) gives the eager forward and input gradient."""
+    """torch.compile of an MoE(ep_group=) (the EP call is one autograd.Function holding the collectives) gives
+    the eager forward and input gradient."""
     from moegemm.testing import assert_rel_close
     from moegemm.torch import MoE
 
