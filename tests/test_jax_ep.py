@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moegemm.testing.accuracy import relerr
+
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 TOL = 2e-5  # fp32, relative Frobenius: accumulation order only (the psum_scatter adds the partial sums)
@@ -34,14 +36,6 @@ def make(T, d, n, E, k, *, seed=0):
     w13 = (rng.standard_normal((E, 2 * n, d)) / d**0.5).astype(np.float32)
     w2 = (rng.standard_normal((E, d, n)) / n**0.5).astype(np.float32)
     return x, ids, weights, w13, w2
-
-
-def relerr(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    if np.isnan(got).any():
-        return float("inf")
-    denom = np.linalg.norm(want)
-    return float(np.linalg.norm(got - want) / denom if denom > 0 else np.linalg.norm(got - want))
 
 
 def assert_close(got, want, what, tol=TOL):

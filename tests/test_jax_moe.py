@@ -19,6 +19,7 @@ from moegemm._src.jax import interpret as _interpret
 from moegemm._src.jax import jax_triton as _jax_triton
 from moegemm._src.jax import moe as _moe
 from moegemm.testing import oracle
+from moegemm.testing.accuracy import relerr
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
@@ -65,15 +66,6 @@ def oracle_grads(x, ids, weights, w13, w2, dout):
             dw13[e] += np.outer(dz, x[t])
             dx[t] += w13[e].T @ dz
     return out, dx, dweights, dw13, dw2
-
-
-def relerr(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    if np.isnan(got).any():
-        return float("inf")
-    denom = np.linalg.norm(want)
-    diff = np.linalg.norm(got - want)
-    return diff / denom if denom > 0 else diff
 
 
 def assert_close(got, want, tol, what):

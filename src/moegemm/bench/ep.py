@@ -60,7 +60,6 @@ import dataclasses
 import datetime
 import functools
 import importlib.util
-import inspect
 import json
 import os
 import socket
@@ -161,10 +160,6 @@ class EPPeer:
     build: Callable[[object, str], Block]
 
 
-class Unavailable(Exception):
-    """The peer cannot run here; the message is the recorded reason."""
-
-
 def _expert_major(recv_counts: torch.Tensor, P: int, E_l: int, total: int) -> torch.Tensor:
     """Index that reorders rows received rank-major [(r0,e0), (r0,e1), .., (r1,e0), ..] into expert-major
     [(r0,e0), (r1,e0), .., (r0,e1), ..]; ``total`` (the row count, known on the host) keeps it free of syncs."""
@@ -180,7 +175,7 @@ def _torchtitan(group, backend: str) -> Block:
     import torch.distributed._functional_collectives as fc
 
     if not hasattr(torch, "_grouped_mm"):
-        raise Unavailable(f"torch {torch.__version__} has no torch._grouped_mm")
+        raise moe.Unavailable(f"torch {torch.__version__} has no torch._grouped_mm")
     P = dist.get_world_size(group)
 
     def block(x, ids, weights, w13, w2):
@@ -213,19 +208,8 @@ def _torchtitan(group, backend: str) -> Block:
     return block
 
 
-def ep_api_available() -> bool:
-    """Whether ``moegemm.torch.moe_experts`` takes ``ep_group=`` and ``chunks=`` (issue 42's API)."""
-    from moegemm.torch import moe_experts
-
-    params = inspect.signature(moe_experts).parameters
-    return "ep_group" in params and "chunks" in params
-
-
 def _moegemm(group, backend: str, chunks: int) -> Block:
     from moegemm.torch import moe_experts
-
-    if not ep_api_available():
-        raise Unavailable("moegemm.torch.moe_experts takes no ep_group=/chunks= yet")
 
     def block(x, ids, weights, w13, w2):
         return moe_experts(x, ids, weights, w13, w2, ep_group=group, chunks=chunks, backend=backend)
@@ -358,7 +342,7 @@ def _check(peer: EPPeer, g: _Group, case: _Case, spec: Spec) -> tuple[dict, Bloc
 
     try:
         block = peer.build(g.pg, spec.backend)
-    except Unavailable as exc:
+    except moe.Unavailable as exc:
         return {"status": "skipped", "reason": str(exc)}, None
     except Exception as exc:  # noqa: BLE001
         return {"status": "failed", "reason": moe._reason(exc)}, None

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moegemm.testing.accuracy import relerr
+
 REL_TOL = {"bfloat16": 2e-2, "float32": 1e-4}
 GRADS = ("out", "dx", "dweights", "dw13", "dw2")
 
@@ -133,14 +135,6 @@ def _ideal_ms(devices, E_local: int, arrays, backend: str, timed: bool, calls: i
     return (total if timed else {"fwd": None, "fwd+bwd": None}), out
 
 
-def _relerr(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    if not np.isfinite(got).all():
-        return float("inf")
-    denom = float(np.linalg.norm(want)) or 1.0
-    return float(np.linalg.norm(got - want)) / denom
-
-
 def run(
     cases,
     ep_sizes,
@@ -191,7 +185,7 @@ def run(
             single = jax.jit(_step(lambda *a: mj.moe_experts(*a, backend=backend)))
             want = single(*map(jnp.asarray, (x, ids, weights, w13, w2, dout)))
             got = fns["ep"][1](*sharded, dout_d)
-            errs = {name: _relerr(a, b) for name, a, b in zip(GRADS, got, want)}
+            errs = {name: relerr(a, b) for name, a, b in zip(GRADS, got, want)}
             worst = max(errs, key=errs.get)
             tol = REL_TOL.get(dtype, 2e-2)
             ok = errs[worst] <= tol
@@ -202,10 +196,10 @@ def run(
             }
             # The local step's partial sums, added over the devices, are the block's output.
             partial = np.asarray(fns["ep local step"][0](*args["ep local step"][0]), np.float64)
-            err = _relerr(partial.reshape(P, *x.shape).sum(0), want[0])
+            err = relerr(partial.reshape(P, *x.shape).sum(0), want[0])
             # Its gradients: the replicated x's and weights' summed over the devices by the custom_vjp.
             local_grads = fns["ep local step"][1](*args["ep local step"][0], args["ep local step"][1])
-            err = max([err] + [_relerr(a, b) for a, b in zip(local_grads[1:], want[1:])])
+            err = max([err] + [relerr(a, b) for a, b in zip(local_grads[1:], want[1:])])
             statuses = {
                 "ep": status,
                 "ep local step": "ok" if err <= tol else f"failed: out relerr {err:.2e}",
@@ -224,7 +218,7 @@ def run(
             ideal, ideal_out = _ideal_ms(
                 devices, shape.E // P, (x, ids, weights, w13, w2, dout), backend, gpu and ok, calls
             )
-            err = _relerr(ideal_out, want[0])
+            err = relerr(ideal_out, want[0])
             for pass_ in ("fwd", "fwd+bwd"):
                 rec = {**base, "impl": "local rows (ideal)", "pass": pass_}
                 rec["status"] = "ok (the reference)" if err <= tol else f"failed: out relerr {err:.2e}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 # Relative Frobenius error vs an fp64 reference, by output dtype. The products are exact in fp32,
@@ -10,9 +11,13 @@ import torch
 REL_TOL = {torch.bfloat16: 8e-3, torch.float16: 1.5e-3, torch.float32: 2e-5}
 
 
-def relerr(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in fp64 (0 when both are all zero; inf on any NaN)."""
-    out, ref = out.double(), ref.double()
+def relerr(out, ref) -> float:
+    """||out - ref|| / ||ref|| in fp64 (0 when both are all zero; inf on any NaN). out, ref: torch tensors or
+    array-likes (numpy, JAX arrays), so the JAX tests and benchmarks measure error the same way."""
+    out, ref = (
+        t.double() if isinstance(t, torch.Tensor) else torch.from_numpy(np.asarray(t, np.float64))
+        for t in (out, ref)
+    )
     if torch.isnan(out).any():
         return float("inf")
     denom = ref.norm().item()
