@@ -124,10 +124,20 @@ def test_fp8_ws_rule(op):
     kernel where the config rule routes it; fast tensorwise accumulation, JAX and fp8_ws=False keep Triton."""
     M, N, K, G = 8 * 4096, 7168, 4096, 8
     facts = dict(ws_layout=True, row_strides=(K, K) if op == plan.M_GROUPED else (M, M), recipe="blockwise")
-    if op == plan.K_GROUPED:
-        facts |= dict(out_itemsize=4, out_span=N * K)
+    if op == plan.K_GROUPED:  # the wgrad stores through a host descriptor over out, loads through device ones
+        facts |= dict(out_itemsize=4, out_span=N * K, tma_store_layout=True)
     problem = plan.Problem(op, M, N, K, G, "float8_e4m3fn", max_stride=M, **facts)
     assert plan.plan(problem, SM90, TORCH).kernel == f"{op}_fp8_ws"
+    if op == plan.K_GROUPED:
+        for caps in (
+            dataclasses.replace(TORCH, host_descriptors=False),
+            dataclasses.replace(TORCH, global_scratch=False),
+        ):
+            assert plan.plan(problem, SM90, caps).kernel == "k_grouped_fp8", caps
+        assert (
+            plan.plan(dataclasses.replace(problem, tma_store_layout=False), SM90, TORCH).kernel
+            == "k_grouped_fp8"
+        )
     triton_kernel = f"{op}_fp8"
     assert plan.plan(problem, SM90, plan.JAX).kernel == triton_kernel
     assert plan.plan(problem, SM90, TORCH, plan.Constraints(fp8_ws=False)).kernel == triton_kernel

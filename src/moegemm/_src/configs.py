@@ -198,16 +198,13 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
     # dsv3-ep8-fc1 blockwise 899 vs 750, mixtral-fc1 756 vs 683, gptoss-120b-fc1 447 vs 415, but
     # qwen3-30b-fc1 (K 2048) 385 vs 410. pick_fp8_ws_config takes the 128-wide tile below K = 2560.
     ("m_grouped_fp8_ws", "sm90"): [
-        (Fp8WsConfig(256, 4), "long K: 128 x 256 halves the L2 bytes per FLOP of 128 x 128"),
-        (Fp8WsConfig(128, 6), "short K (<= 2048): less epilogue per tile, deeper ring"),
+        (Fp8WsConfig(256, 4, 8, 240), "long K: 128 x 256 halves the L2 bytes per FLOP of 128 x 128"),
+        (Fp8WsConfig(128, 6, 8, 232), "short K (<= 2048): less epilogue per tile, deeper ring"),
     ],
-    # The wgrad, measured on the H100 (docs/design.md, 'Warp-specialized FP8 kernels'), fp32 dW TF/s 128 vs
-    # 256: dsv3-ep8-fc1 blockwise 477 vs 466 (accumulating 338 vs 361), tensorwise 529 vs 508,
-    # qwen3-30b-fc1 126 vs 110. 128 x 128 needs 200 registers a consumer and spills nothing; 128 x 256
-    # spills 240 B a thread in the loader (216 to the consumers, weight-side scales read late).
+    # The wgrad (TMA loader, TMA store or reduce-add epilogue): 128 x 128, the ring as deep as fits beside two
+    # staging tiles (5 slots with fp32 dW, 6 with bf16); docs/design.md, 'The FP8 wgrad'.
     ("k_grouped_fp8_ws", "sm90"): [
-        (Fp8WsConfig(128, 6, 8, 200), "128 x 128, 6-deep ring: no spills"),
-        (Fp8WsConfig(256, 4, 8, 216), "128 x 256: half the shared-memory bytes per FLOP"),
+        (Fp8WsConfig(128, 6, 8, 232), "128 x 128, TMA loader, TMA-store epilogue under the next tile"),
     ],
     # The warp-specialized wgrad (TMA loader, TMA-store epilogue): 4 slots of 64 rows (192 KB) beside one 32 KB
     # staging tile the consumers take turns on; over 3 slots with a staging tile each, +4.5% geomean on all 19
@@ -337,16 +334,16 @@ def pick_fp8_ws_config(
     kernel's tuned 64-row tiles do not.
 
     k-grouped (out_itemsize, accumulate: the wgrad's output): the 128 x 128 tile (table notes). Where
-    groups average under 512 tokens the Triton kernel keeps 2-byte outputs and tensorwise/rowwise
-    stores, the places it won (docs/design.md, 'Warp-specialized FP8 kernels': bf16 out 0.64-0.80x on
-    gptoss-120b-fc1, qwen3-30b-fc1 tensorwise 0.93x); fp32 outputs otherwise gain 1.04-1.44x."""
+    groups average under 512 tokens (one to three 128-token steps a tile) the Triton kernel keeps fp32
+    accumulation and tensorwise fp32 stores, the places it won (qwen3-30b-fc1: 1.39 vs 1.63 ms
+    accumulating, 0.74 vs 0.78 storing; docs/design.md, 'The FP8 wgrad')."""
     if device_name:
         hit = load_cache(device_name).get(cache_key(op, dtype, G, N, K, M))
         if hit is not None:
             return Fp8WsConfig(**hit)
     if op == "k_grouped_fp8_ws":
         short = M < 512 * max(G, 1)
-        if short and (out_itemsize < 4 or (recipe != "blockwise" and not accumulate)):
+        if short and out_itemsize == 4 and (accumulate or recipe == "tensorwise"):
             return None
         return candidates(op, "sm90")[0]
     wide, narrow = candidates(op, "sm90")[:2]

@@ -561,7 +561,7 @@ def _plan_fp8(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> Plan
 
 def _plan_fp8_ws(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> Plan | None:
     """The warp-specialized FP8 kernels, or None where the Triton kernel runs: fast accumulation, a layout
-    16-byte cp.async cannot read (``ws_layout``: K-contiguous operands, or token-contiguous transposed copies,
+    TMA cannot read (``ws_layout``: K-contiguous operands, or token-contiguous transposed copies,
     with 16-byte aligned row strides), a problem or device the kernel does not take, or a shape
     ``configs.pick_fp8_ws_config`` keeps on the Triton kernel."""
     promoted = p.recipe == "blockwise" or not p.fast_accum
@@ -569,8 +569,10 @@ def _plan_fp8_ws(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> P
         return None
     row_stride = max(map(abs, p.row_strides))
     dtype = fp8.config_dtype(p.recipe, p.dtype, p.fast_accum)
+    if not caps.global_scratch:  # the loaders make their TMA descriptors on the device
+        return None
     if p.op == M_GROUPED:
-        if not m_grouped_fp8_ws.supported_problem(p.K, p.g_total is not None, row_stride):
+        if not m_grouped_fp8_ws.supported_problem(p.K, p.g_total is not None, row_stride, p.M, p.G * p.N):
             return None
         config = configs.pick_fp8_ws_config(
             "m_grouped_fp8_ws",
@@ -596,7 +598,12 @@ def _plan_fp8_ws(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> P
             has_bias=p.has_bias,
         )
         return Plan("m_grouped_fp8_ws", Schedule(), config, launch)
-    if not k_grouped_fp8_ws.supported_problem(p.g_total is not None, row_stride, p.out_span):
+    # The wgrad's epilogue stores through out's host descriptor.
+    if not (
+        caps.host_descriptors
+        and p.tma_store_layout
+        and k_grouped_fp8_ws.supported_problem(p.g_total is not None, row_stride, p.out_span)
+    ):
         return None
     config = configs.pick_fp8_ws_config(
         "k_grouped_fp8_ws",
@@ -622,6 +629,7 @@ def _plan_fp8_ws(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> P
         config=config,
         num_programs_cap=t.programs,
         accumulate=p.accumulate,
+        out_itemsize=p.out_itemsize,
     )
     return Plan("k_grouped_fp8_ws", Schedule(), config, launch)
 

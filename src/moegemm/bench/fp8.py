@@ -344,52 +344,58 @@ class Fp8Bench:
         )
 
     def grouped_linear_step(self, case: shapes.Case) -> None:
-        """fwd + bwd of one GroupedLinear (bias, fp32 main_grad accumulation), BF16 vs each recipe."""
+        """fwd + bwd of one GroupedLinear (with bias), BF16 vs each recipe, in both weight-gradient modes:
+        "main_grad" (fuse_wgrad_accumulation into an fp32 main_grad, Megatron) and "grad" (weight.grad in the
+        weight's dtype, set to None before each step as ``zero_grad(set_to_none=True)`` does: a .grad left to
+        accumulate across steps adds an element-wise add per parameter to both sides)."""
         G, M, K, N = case.G, case.M, case.K, case.N
         sizes = torch.tensor(shapes.group_sizes(M, G, seed=self.seed), dtype=torch.int32, device=self.device)
         x = torch.randn(M, K, device=self.device, dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(M, N, device=self.device, dtype=torch.bfloat16)
-        base = None
-        for recipe in (None, *RECIPES):
-            module = GroupedLinear(
-                G,
-                K,
-                N,
-                dtype=torch.bfloat16,
-                device=self.device,
-                fuse_wgrad_accumulation=True,
-                fp8_recipe=recipe,
-            )
-            module.weight.main_grad = torch.zeros(G, N, K, device=self.device)
+        for mode in ("main_grad", "grad"):
+            base = None
+            for recipe in (None, *RECIPES):
+                module = GroupedLinear(
+                    G,
+                    K,
+                    N,
+                    dtype=torch.bfloat16,
+                    device=self.device,
+                    fuse_wgrad_accumulation=mode == "main_grad",
+                    fp8_recipe=recipe,
+                )
+                if mode == "main_grad":
+                    module.weight.main_grad = torch.zeros(G, N, K, device=self.device)
 
-            def step(module=module):
-                x.grad = None
-                module(x, sizes).backward(dy)
+                def step(module=module):
+                    x.grad = module.weight.grad = module.bias.grad = None
+                    module(x, sizes).backward(dy)
 
-            def step_produced_input(module=module):
-                # The layer's input made inside the step (as a dispatched activation is), so only what
-                # autograd saves keeps it alive: BF16 saves it, FP8 saves its transposed FP8 copy.
-                x.grad = None
-                module(x * 1.0, sizes).backward(dy)
+                def step_produced_input(module=module):
+                    # The layer's input made inside the step (as a dispatched activation is), so only what
+                    # autograd saves keeps it alive: BF16 saves it, FP8 saves its transposed FP8 copy.
+                    x.grad = module.weight.grad = module.bias.grad = None
+                    module(x * 1.0, sizes).backward(dy)
 
-            step()
-            ms = self.time(step)
-            _, peak = timing.call_with_peak_mb(step, self.device)
-            step_produced_input()
-            _, peak_produced = timing.call_with_peak_mb(step_produced_input, self.device)
-            base = base or ms
-            self.extra["grouped_linear_step"].append(
-                {
-                    "case": case.name,
-                    "recipe": recipe or "bf16",
-                    "ms": ms,
-                    "speedup_vs_bf16": base / ms,
-                    "peak_mb": peak,
-                    "peak_mb_produced_input": peak_produced,
-                }
-            )
-            del module
-            torch.cuda.empty_cache()
+                step()
+                ms = self.time(step)
+                _, peak = timing.call_with_peak_mb(step, self.device)
+                step_produced_input()
+                _, peak_produced = timing.call_with_peak_mb(step_produced_input, self.device)
+                base = base or ms
+                self.extra["grouped_linear_step"].append(
+                    {
+                        "case": case.name,
+                        "mode": mode,
+                        "recipe": recipe or "bf16",
+                        "ms": ms,
+                        "speedup_vs_bf16": base / ms,
+                        "peak_mb": peak,
+                        "peak_mb_produced_input": peak_produced,
+                    }
+                )
+                del module
+                torch.cuda.empty_cache()
 
 
 def run(
@@ -456,7 +462,7 @@ def run(
         )
     for s in bench.extra["grouped_linear_step"]:
         console.print(
-            f"GroupedLinear step {s['case']} {s['recipe']}: {s['ms']:.3f} ms, {s['speedup_vs_bf16']:.2f}x "
+            f"GroupedLinear step {s['case']} {s['mode']} {s['recipe']}: {s['ms']:.3f} ms, {s['speedup_vs_bf16']:.2f}x "
             f"of bf16, peak {s['peak_mb']} MB ({s['peak_mb_produced_input']} MB with the input made in the step)"
         )
     result = {

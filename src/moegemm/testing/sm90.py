@@ -68,7 +68,9 @@ def _k_grouped_ws(num_stages: int | None = None):
 
 
 def _desc(t, block):
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    layout = gl.NVMMASharedLayout.get_default_for(
+        block, {torch.float32: gl.float32}.get(t.dtype, gl.bfloat16)
+    )
     return triton.runtime.jit.mangle_type(TensorDescriptor(t, [16, 16], [16, 1], block, layout))
 
 
@@ -84,14 +86,20 @@ def _m_grouped_fp8_ws():
     return m_grouped_fp8_ws.m_grouped_mm_fp8_ws_kernel, launch.meta, pointers
 
 
-def _k_grouped_fp8_ws():
+def _k_grouped_fp8_ws(accumulate: bool = True, out: str = "fp32"):
+    """The FP8 wgrad at dsv3-ep8-fc1's sizes (out [32, 4096, 7168]), blockwise, accumulating into fp32 main_grad
+    (TMA reduce-add) or storing (fp32 or bf16 dW)."""
     config = configs.candidates("k_grouped_fp8_ws", "sm90")[0]
+    itemsize = 4 if out == "fp32" else 2
     launch = k_grouped_fp8_ws.KGroupedFp8WsLaunch.make(
-        M, N, K, G, recipe="blockwise", config=config, num_programs_cap=132, accumulate=True
-    )
+        M, N, K, G, recipe="blockwise", config=config, num_programs_cap=132, accumulate=accumulate,
+        out_itemsize=itemsize,
+    )  # fmt: skip
+    dtype = torch.float32 if out == "fp32" else torch.bfloat16
     pointers = {
+        "out_desc": _desc(torch.empty(16, 16, dtype=dtype), [k_grouped_fp8_ws.BLOCK_K // 2, config.block_n]),
         "a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "group_sizes_ptr": "*i32",
-        "c_ptr": "*fp32", "out_ptr": "*fp32",
+        "out_ptr": f"*{out}",
     }  # fmt: skip
     return k_grouped_fp8_ws.k_grouped_mm_fp8_ws_kernel, launch.meta, pointers
 
@@ -449,6 +457,8 @@ KERNELS = {
     "k_grouped_ws": _k_grouped_ws,
     "k_grouped_ws-3-slots": lambda: _k_grouped_ws(3),
     "k_grouped_fp8_ws": _k_grouped_fp8_ws,
+    "k_grouped_fp8_ws-store": lambda: _k_grouped_fp8_ws(False),
+    "k_grouped_fp8_ws-bf16": lambda: _k_grouped_fp8_ws(False, "bf16"),
 }
 
 

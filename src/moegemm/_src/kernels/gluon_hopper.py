@@ -1,12 +1,12 @@
 """The skeleton the warp-specialized Gluon kernels (``k_grouped_ws``, ``m_grouped_fp8_ws``, ``k_grouped_fp8_ws``)
 share, as one GEMM base: the Gluon Hopper imports (with a stand-in where this Triton lacks them, so the modules
 import and ``supported()`` answers), the register budget, the operand rings and their mbarrier protocol, the
-partition launch, and the layouts of the loader's copies, the schedule vectors and the consumers' wgmma. A kernel
-module adds its loader's copies, its consumers' math and its epilogue.
+partition launch, and the layouts of the schedule vectors and the consumers' wgmma. A kernel module adds its
+loader's copies, its consumers' math and its epilogue.
 
 Partitions (``warp_specialize_ring``): the default partition of LOADER_WARPS warps is the loader; it fills a
-ring of NUM_STAGES slots, through cp.async (the FP8 kernels: launchable without host tensor descriptors, which
-jax-triton 0.3.1 cannot pass) or TMA (``k_grouped_ws``: descriptors it makes on the device). Two consumer
+ring of NUM_STAGES slots through TMA, from descriptors it makes on the device (Triton's global scratch: the
+PyTorch launcher's; JAX launches the Triton kernels instead). Two consumer
 warpgroups each own half of every tile's rows and run wgmma on it (FP8: wgmma -> wait -> promote, so one's
 promotion runs under the other's wgmma). docs/design.md, 'Warp-specialized wgrad' and 'Warp-specialized FP8
 kernels', say why and what each measured.
@@ -19,7 +19,6 @@ from moegemm._src.kernels.schedule import clamped_group_bounds, row_tile_space
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -29,13 +28,28 @@ try:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    # triton 3.9 renamed cp.async_copy_global_to_shared (which now raises) to cp.async_load, same arguments.
-    async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
-    # Likewise tma.async_copy_global_to_shared -> tma.async_load (desc, coord, barrier, smem).
+    # triton 3.9 renamed tma.async_copy_global_to_shared (which now raises) to tma.async_load (desc, coord,
+    # barrier, smem).
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     # And gl.thread_barrier -> gl.barrier (3.9 has only the latter; both are one CTA-level barrier, which inside
     # a warp_specialize partition syncs that partition's warps).
     thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    # And tma.async_copy_shared_to_global -> tma.async_store.
+    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    # TMA reduce-add of a shared tile into global memory (cp.reduce.async.bulk.tensor .add): triton 3.9 has
+    # tma.async_atomic_add; 3.6 has the op in its builder but no Gluon wrapper, so this is that wrapper.
+    tma_reduce_add = getattr(tma, "async_atomic_add", None)
+    if tma_reduce_add is None:
+        from triton._C.libtriton import ir as _ir
+        from triton.experimental.gluon.language._core import builtin as _builtin
+
+        @_builtin
+        def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+            _semantic.builder.create_async_tma_reduce(
+                _ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
+            )
+
     IMPORT_ERROR = None
 except ImportError as e:  # a Triton without (this version of) Gluon's Hopper API
 
@@ -51,8 +65,8 @@ except ImportError as e:  # a Triton without (this version of) Gluon's Hopper AP
         constexpr_function = jit
 
     gluon = gl = _NoGluon()
-    cp = async_load = fence_async_shared = mbarrier = warpgroup_mma = warpgroup_mma_wait = None
-    tma = tma_load = TensorDescriptor = thread_barrier = None
+    fence_async_shared = mbarrier = warpgroup_mma = warpgroup_mma_wait = None
+    tma = tma_load = tma_store = tma_reduce_add = TensorDescriptor = thread_barrier = None
     IMPORT_ERROR = e
 
 __all__ = [
@@ -62,10 +76,6 @@ __all__ = [
     "TensorDescriptor",
     "acquire_slot",
     "acquire_slot_tx",
-    "async_load",
-    "commit_slot",
-    "copy_layout",
-    "cp",
     "fence_async_shared",
     "gl",
     "gluon",
@@ -76,12 +86,13 @@ __all__ = [
     "promoted_mainloop",
     "release_slot",
     "ring_barriers",
-    "scale_ring",
     "sched_layout",
     "supported",
     "thread_barrier",
     "tma",
     "tma_load",
+    "tma_reduce_add",
+    "tma_store",
     "wait_slot",
     "warp_specialize_ring",
     "warpgroup_mma",
@@ -103,14 +114,6 @@ def supported() -> bool:
 
 
 # Layouts.
-
-
-@gluon.constexpr_function
-def copy_layout(cols, num_warps, vec=16):
-    """cp.async pointer tiles [rows, cols] with cols contiguous in memory: ``vec`` consecutive elements
-    (16 bytes: 16 for FP8, 8 for 2-byte types) per thread, a warp's threads along the columns first."""
-    tpw = max(1, min(32, cols // vec))
-    return gl.BlockedLayout([1, vec], [32 // tpw, tpw], [num_warps, 1], [1, 0])
 
 
 @gluon.constexpr_function
@@ -140,26 +143,13 @@ def operand_ring(dtype: gl.constexpr, NUM_STAGES: gl.constexpr, ROWS: gl.constex
 
 
 @gluon.jit
-def scale_ring(NUM_STAGES: gl.constexpr, N: gl.constexpr):
-    """[NUM_STAGES, N] fp32 slots for a step's scale vectors, which the consumers read from shared memory:
-    a global load in flight would stall their proxy fence."""
-    layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    return gl.allocate_shared_memory(gl.float32, [NUM_STAGES, N], layout)
-
-
-@gluon.jit
-def ring_barriers(NUM_STAGES: gl.constexpr, TMA: gl.constexpr = False):
-    """(ready, empty) [NUM_STAGES] mbarriers: ready[s] completes when every loader thread's copies into
-    slot s landed (one arrive per thread of the launch's default partition; with TMA, the loader's
-    one expect-arrive and the copies' byte count), empty[s] when both consumers released it."""
+def ring_barriers(NUM_STAGES: gl.constexpr):
+    """(ready, empty) [NUM_STAGES] mbarriers: ready[s] completes when the copies into slot s landed (the
+    loader's one expect-arrive and the copies' byte count), empty[s] when both consumers released it."""
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    if TMA:
-        ready_count: gl.constexpr = 1
-    else:
-        ready_count: gl.constexpr = 32 * gl.num_warps()
     for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=ready_count)
+        mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one per consumer
     return ready, empty
 
@@ -185,20 +175,12 @@ def acquire_slot_tx(ready, empty, step, NBYTES: gl.constexpr):
 
 
 @gluon.jit
-def commit_slot(ready, slot):
-    """cp.async loader: every thread arrives once its own copies into ``slot`` land (noinc: the barrier
-    counts all loader threads)."""
-    cp.mbarrier_arrive(ready.index(slot), increment_count=False)
-
-
-@gluon.jit
-def wait_slot(ready, step, PROXY_FENCE: gl.constexpr):
-    """Consumer: the slot of ``step`` once its copies landed."""
+def wait_slot(ready, step):
+    """Consumer: the slot of ``step`` once its copies landed (TMA writes through the async proxy, which wgmma
+    reads: no proxy fence)."""
     NUM_STAGES: gl.constexpr = ready.shape[0]
     slot = step % NUM_STAGES
     mbarrier.wait(ready.index(slot), (step // NUM_STAGES) & 1)
-    if PROXY_FENCE:  # cp.async wrote through the generic proxy; wgmma reads through the async one
-        fence_async_shared()
     return slot
 
 
@@ -243,8 +225,7 @@ def warp_specialize_ring(
 
 @gluon.jit
 def promoted_mainloop(
-    step_fn: gl.constexpr, step_args, n_steps, step, partial, a_bufs, b_bufs, ready, empty, HALF: gl.constexpr,
-    PROXY_FENCE: gl.constexpr,
+    step_fn: gl.constexpr, step_args, n_steps, step, partial, a_bufs, b_bufs, ready, empty, HALF: gl.constexpr
 ):  # fmt: skip
     """An FP8 consumer's K loop over one tile: n_steps ring steps from ``step`` on, each waiting for its slot,
     running ``acc, partial = step_fn(a, b_slot, slot, k, partial, acc, PART, *step_args)`` (wgmma into
@@ -260,7 +241,7 @@ def promoted_mainloop(
     acc0 = gl.zeros([SUB_M, SUB_N], gl.float32, layout)
     acc1 = gl.zeros([SUB_M, SUB_N], gl.float32, layout)
     for k in range(n_steps):
-        slot = wait_slot(ready, step, PROXY_FENCE)
+        slot = wait_slot(ready, step)
         a = a_bufs.index(slot).slice(HALF * SUB_M, SUB_M)
         acc0, partial = step_fn(a, b_bufs.index(slot), slot, k, partial, acc0, 0, *step_args)
         if BLOCK_N > SUB_N:

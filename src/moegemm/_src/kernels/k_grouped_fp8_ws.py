@@ -3,27 +3,35 @@
 
 Operands, scales and output are ``k_grouped_fp8``'s: the quantize kernels' transposed copies a_t
 [Ka, M_t] and b_t [Nb, M_t] (tokens contiguous, group g's in columns [t_g, t_g + rows_g), t_g a
-multiple of 16, zeros up to the next multiple of 16), out [G, Ka, Nb]; an empty group writes exact
-zeros, or, accumulating, leaves out[g] untouched. This kernel runs the promoted mode only: every
-128-token step's partial product leaves the tensor cores and is added (blockwise: scaled by
-``sa[blk, ka] * sb[blk, nb]``) into an fp32 accumulator.
+multiple of 16, zeros up to the next multiple of 16), out [G, Ka, Nb] contiguous (fp32, or the
+weight's 2-byte dtype); an empty group writes exact zeros, or, accumulating, leaves out[g] untouched.
+This kernel runs the promoted mode only: every 128-token step's partial product leaves the tensor
+cores and is added (blockwise: scaled by ``sa[blk, ka] * sb[blk, nb]``) into an fp32 accumulator.
 
 Why warp specialization: as in ``m_grouped_fp8_ws``, a promotion waits for its wgmma, and in one
-instruction stream the tensor cores idle through it. The blockwise wgrad promotion costs more than the
-forward's, since its scale varies along both tile dimensions (an outer product of two scale vectors per
-step): the Triton kernel ran 339-342 TF/s on dsv3-ep8-fc1 (docs/design.md, 'Warp-specialized FP8 kernels').
+instruction stream the tensor cores idle through it; two consumer warpgroups each own half of a tile's
+rows, so one's promotion runs under the other's wgmma (docs/design.md, 'Warp-specialized FP8 kernels').
 
-The ring, its protocol, the partitions and the consumers' K loop are ``gluon_hopper``'s (``warp_specialize_ring``,
-``promoted_mainloop``); this module adds:
-- ``_loader``: cp.async of each step's a [BLOCK_K, BLOCK_R] and b [BLOCK_N, BLOCK_R] tiles and, blockwise,
-  the step's scale vectors sa [BLOCK_K] and sb [BLOCK_N] into the ring;
-- ``_step``: one 128-token step of a consumer (BLOCK_K / 2 rows of every output tile): wgmma, promotion;
-- ``_epilogue``: tensor/row scales and the masked (accumulating: read-add-write) store.
-Every partition walks the same persistent tile sequence (``tile -> (g, k_tile, n_tile)``, a group's tiles
-consecutive, ``schedule.swizzle_tile`` inside it), so ring slots and phases agree without messages.
+Why TMA at both ends (docs/design.md, 'The FP8 wgrad'): on dsv3-ep8-fc1 a 128 x 128 tile reduces ~1024
+tokens in 8 steps and then writes 64 KB of fp32 dW (3.76 GB a launch, 1.25 ms of HBM). A cp.async loader
+issues 2 x 1024 16-byte copies a step from four warps; stores from registers keep the consumers off
+their wgmma until the tile is written. Here:
+- ``_loader``: makes a descriptor pair per group on the device, over a_t [Ka, col_end] and b_t [Nb,
+  col_end] with col_end the group's last token column (the copy engine zero-fills past it, so no step
+  adds the next group's tokens), and issues two bulk copies a step into the ring. Descriptors need
+  Triton's global scratch (the front end's allocator).
+- ``_consumer``: wgmma -> wait -> release the slot -> promote (blockwise: this step's scale vectors,
+  read from global memory under the wgmma), then the tile's epilogue: the accumulator goes through this
+  consumer's staging tile and leaves by a TMA store (accumulating: a TMA reduce-add into out, which
+  reads nothing back into the SM) over out viewed [G * Ka, Nb], which runs under the next tile's steps.
+  A half tile that would cross into out[g + 1] (Ka not a multiple of 64, the last k tile) is stored
+  from registers, masked.
+Every partition walks the same persistent tile sequence (``tile -> (g, k_tile, n_tile)``, a group's
+tiles consecutive, ``schedule.swizzle_tile`` inside it), so ring slots and phases agree without messages.
 
-Supported: no group offset (expert parallelism runs the Triton kernel), 16-byte aligned rows of the
-transposed copies (``supported_problem``).
+Supported (``supported_problem``): no group offset (expert parallelism runs the Triton kernel), 16-byte
+aligned rows of the transposed copies, token columns and offsets inside out[g] that fit int32; the front
+end adds a contiguous out with 16-byte rows.
 """
 
 from __future__ import annotations
@@ -35,18 +43,22 @@ import triton
 from moegemm._src.kernels.gluon_hopper import (
     LOADER_WARPS,
     MAXNREG,
-    acquire_slot,
-    async_load,
-    commit_slot,
-    copy_layout,
+    TensorDescriptor,
+    acquire_slot_tx,
+    fence_async_shared,
     gl,
     gluon,
     operand_ring,
-    promoted_mainloop,
+    release_slot,
     ring_barriers,
-    scale_ring,
     sched_layout,
     supported,
+    thread_barrier,
+    tma,
+    tma_load,
+    tma_reduce_add,
+    tma_store,
+    wait_slot,
     warp_specialize_ring,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -54,220 +66,154 @@ from moegemm._src.kernels.gluon_hopper import (
 )
 from moegemm._src.kernels.m_grouped_fp8 import SCALINGS
 from moegemm._src.kernels.quantize_fp8 import T_ALIGN
-from moegemm._src.kernels.schedule import aligned_group_offsets, clamped_group_bounds, pick, swizzle_tile
+from moegemm._src.kernels.schedule import (
+    aligned_group_offsets,
+    clamped_group_bounds,
+    pick,
+    sm90_shared_fits,
+    swizzle_tile,
+)
 
-__all__ = ["KGroupedFp8WsLaunch", "supported", "supported_problem"]
+__all__ = ["BLOCK_K", "KGroupedFp8WsLaunch", "TensorDescriptor", "supported", "supported_problem"]
+
+BLOCK_K = 128  # out rows per tile: two consumer warpgroups of 64
+BLOCK_R = 128  # tokens a step: one 128-token scale block (blockwise), 128 bytes of a TMA row
 
 
 def supported_problem(has_group_offset: bool, row_stride: int, out_span: int) -> bool:
-    """Problems this kernel takes: no EP offset, row offsets inside a 256-row operand tile
-    (``row_stride``: the larger of a_t's and b_t's row strides, each a multiple of 16) and offsets
-    inside one out[g] (``out_span``: its last element's offset + 1) that fit int32."""
+    """Problems this kernel takes: no EP offset, 16-byte rows of the transposed copies whose token columns fit
+    int32 TMA coordinates (``row_stride``: the larger of a_t's and b_t's row strides, each a multiple of 16 and
+    at least the token columns) and offsets inside one out[g] (``out_span``: its last element's offset + 1)
+    that fit int32."""
     return (
         supported()
         and not has_group_offset
         and row_stride % 16 == 0
-        and 256 * row_stride < 2**31
+        and row_stride < 2**31
         and out_span < 2**31
     )
 
 
 @gluon.jit
-def _group_space(group_sizes_ptr, G, M, BLOCK_G: gl.constexpr, SCALE_BLOCK: gl.constexpr):
+def _group_space(group_sizes_ptr, G, M, BLOCK_G: gl.constexpr, BLOCK_R: gl.constexpr):
     """Per group (slots < G): token count, first token column in the transposed copies (in units of
     T_ALIGN) and first 128-token scale block, as ``k_grouped_fp8`` derives them; int32 (all <= M_t)."""
     offs = gl.arange(0, BLOCK_G, layout=sched_layout(gl.num_warps()))
     starts, ends = clamped_group_bounds(group_sizes_ptr, offs, G, M)
     t_units = aligned_group_offsets(offs, starts, ends, G, T_ALIGN).to(gl.int32)
     rows = gl.where(offs < G, ends - starts, 0).to(gl.int32)
-    block_base = aligned_group_offsets(offs, starts, ends, G, SCALE_BLOCK).to(gl.int32)
+    block_base = aligned_group_offsets(offs, starts, ends, G, BLOCK_R).to(gl.int32)
     return offs, rows, t_units, block_base
 
 
 @gluon.jit
-def _loader(
-    a_ptr,
-    b_ptr,
-    sa_ptr,
-    sb_ptr,
-    group_sizes_ptr,
-    a_bufs,
-    b_bufs,
-    sa_bufs,
-    sb_bufs,
-    ready,
-    empty,
-    M,
-    N,
-    K,
-    G,
-    stride_ak,
-    stride_bn,
-    stride_sag,
-    stride_sak,
-    stride_sbg,
-    stride_sbn,
-    SCALING: gl.constexpr,
-    SCALE_BLOCK: gl.constexpr,
-    NUM_PROGRAMS: gl.constexpr,
-    BLOCK_K: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    BLOCK_R: gl.constexpr,
-    GROUP_M: gl.constexpr,
-    BLOCK_G: gl.constexpr,
-):
-    """Fills ring slot step % NUM_STAGES with each step's a and b tiles once both consumers released
-    it, and (blockwise) the step's scale vectors. Masked chunks are zero-filled (cp.async source size
-    0). Along tokens the mask runs to the group's 16-aligned end, constant over each 16-byte chunk:
-    the quantize kernels zero the padding columns."""
-    layout: gl.constexpr = copy_layout(BLOCK_R, gl.num_warps())
-    cp_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, layout))
-    cp_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-    cp_r = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, layout))
-    vec: gl.constexpr = sched_layout(gl.num_warps())
-    sc_k = gl.arange(0, BLOCK_K, layout=vec)
-    sc_n = gl.arange(0, BLOCK_N, layout=vec)
-    offs, rows_g, t_units, block_base = _group_space(group_sizes_ptr, G, M, BLOCK_G, SCALE_BLOCK)
+def _locate(tile, K, N, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """Tile index -> (g, first out row k0, first out column n0)."""
     k_tiles = gl.cdiv(K, BLOCK_K)
     n_tiles = gl.cdiv(N, BLOCK_N)
-    tiles_per_group = k_tiles * n_tiles
-    a_offs = cp_k[:, None] * stride_ak + cp_r[None, :]  # int32 inside a tile (supported_problem)
-    b_offs = cp_n[:, None] * stride_bn + cp_r[None, :]
+    g = tile // (k_tiles * n_tiles)
+    k_tile, n_tile = swizzle_tile(tile % (k_tiles * n_tiles), k_tiles, n_tiles, GROUP_M)
+    return g, k_tile * BLOCK_K, n_tile * BLOCK_N
+
+
+@gluon.jit
+def _loader(
+    a_ptr, b_ptr, group_sizes_ptr, a_bufs, b_bufs, ready, empty, M, N, K, G, stride_ak, stride_bn,
+    NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_R: gl.constexpr,
+    GROUP_M: gl.constexpr, BLOCK_G: gl.constexpr,
+):  # fmt: skip
+    """Fills ring slot step % NUM_STAGES with each step's a [BLOCK_K, BLOCK_R] and b [BLOCK_N, BLOCK_R] tiles
+    once both consumers released it. A box past the descriptor's extent (rows past Ka or Nb, tokens past the
+    group's end) lands as zeros."""
+    STEP_BYTES: gl.constexpr = BLOCK_R * (BLOCK_K + BLOCK_N) * a_bufs.dtype.primitive_bitwidth // 8
+    offs, rows_g, t_units, block_base = _group_space(group_sizes_ptr, G, M, BLOCK_G, BLOCK_R)
+    total_tiles = G * gl.cdiv(K, BLOCK_K) * gl.cdiv(N, BLOCK_N)
+    a_desc = tma.make_tensor_descriptor(
+        a_ptr, [K, T_ALIGN], [stride_ak, 1], [BLOCK_K, BLOCK_R], a_bufs.layout
+    )
+    b_desc = tma.make_tensor_descriptor(
+        b_ptr, [N, T_ALIGN], [stride_bn, 1], [BLOCK_N, BLOCK_R], b_bufs.layout
+    )
+    desc_g = -1
     step = 0
-    for tile in range(gl.program_id(0), G * tiles_per_group, NUM_PROGRAMS):
-        g = tile // tiles_per_group
-        k_tile, n_tile = swizzle_tile(tile % tiles_per_group, k_tiles, n_tiles, GROUP_M)
+    for tile in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
+        g, k0, n0 = _locate(tile, K, N, BLOCK_K, BLOCK_N, GROUP_M)
         rows = pick(rows_g, offs, g)
-        rows16 = gl.cdiv(rows, T_ALIGN) * T_ALIGN
-        col0 = (pick(t_units, offs, g) * T_ALIGN).to(gl.int64)
-        k0 = k_tile * BLOCK_K
-        n0 = n_tile * BLOCK_N
-        a_base = a_ptr + k0.to(gl.int64) * stride_ak + col0
-        b_base = b_ptr + n0.to(gl.int64) * stride_bn + col0
-        a_rows = (cp_k < K - k0)[:, None]
-        b_rows = (cp_n < N - n0)[:, None]
-        if SCALING == 2:
-            g_block = pick(block_base, offs, g)
-            sa_base = sa_ptr + k0 * stride_sak + sc_k * stride_sak
-            sb_base = sb_ptr + n0 * stride_sbn + sc_n * stride_sbn
+        col0 = pick(t_units, offs, g) * T_ALIGN
+        if g != desc_g:  # a group's tiles are consecutive: one descriptor pair per group
+            desc_g = g
+            col_end = col0 + gl.maximum(rows, 1)  # a nonzero extent; an empty group loads nothing
+            a_desc = tma.make_tensor_descriptor(
+                a_ptr, [K, col_end], [stride_ak, 1], [BLOCK_K, BLOCK_R], a_bufs.layout
+            )
+            b_desc = tma.make_tensor_descriptor(
+                b_ptr, [N, col_end], [stride_bn, 1], [BLOCK_N, BLOCK_R], b_bufs.layout
+            )
         for s in range(gl.cdiv(rows, BLOCK_R)):
-            slot = acquire_slot(empty, step)
-            r = s * BLOCK_R
-            r_in = (cp_r < rows16 - r)[None, :]
-            async_load(a_bufs.index(slot), a_base + r + a_offs, mask=a_rows & r_in)
-            async_load(b_bufs.index(slot), b_base + r + b_offs, mask=b_rows & r_in)
-            if SCALING == 2:
-                blk = (g_block + r // SCALE_BLOCK).to(gl.int64)
-                async_load(sa_bufs.index(slot), sa_base + blk * stride_sag, mask=sc_k < K - k0)
-                async_load(sb_bufs.index(slot), sb_base + blk * stride_sbg, mask=sc_n < N - n0)
-            commit_slot(ready, slot)
+            slot, bar = acquire_slot_tx(ready, empty, step, STEP_BYTES)
+            tma_load(a_desc, [k0, col0 + s * BLOCK_R], bar, a_bufs.index(slot))
+            tma_load(b_desc, [n0, col0 + s * BLOCK_R], bar, b_bufs.index(slot))
             step += 1
 
 
 @gluon.jit
 def _consumer(
-    sa_ptr,
-    sb_ptr,
-    group_sizes_ptr,
-    c_ptr,
-    out_ptr,
-    a_bufs,
-    b_bufs,
-    sa_bufs,
-    sb_bufs,
-    ready,
-    empty,
-    M,
-    N,
-    K,
-    G,
-    stride_og,
-    stride_ok,
-    stride_on,
-    stride_sag,
-    stride_sak,
-    stride_sbg,
-    stride_sbn,
-    NUM_PROGRAMS: gl.constexpr,
-    BLOCK_K: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    BLOCK_R: gl.constexpr,
-    GROUP_M: gl.constexpr,
-    BLOCK_G: gl.constexpr,
-    ACCUMULATE: gl.constexpr,
-    SCALING: gl.constexpr,
-    SCALE_BLOCK: gl.constexpr,
-    PROXY_FENCE: gl.constexpr,
-    HALF: gl.constexpr,
-):
-    """Rows [HALF * BLOCK_K / 2, (HALF + 1) * BLOCK_K / 2) of every output tile: ``promoted_mainloop`` with
-    ``_step``, then ``_epilogue`` for each 128-column part."""
-    SUB_K: gl.constexpr = BLOCK_K // 2
-    SUB_N: gl.constexpr = BLOCK_N if BLOCK_N <= 128 else 128
-    mma_layout: gl.constexpr = wgmma_layout(SUB_N, 32)
-    offs_k = gl.arange(0, SUB_K, layout=gl.SliceLayout(1, mma_layout))
-    offs_n = gl.arange(0, SUB_N, layout=gl.SliceLayout(0, mma_layout))
-    offs, rows_g, t_units, block_base = _group_space(group_sizes_ptr, G, M, BLOCK_G, SCALE_BLOCK)
-    k_tiles = gl.cdiv(K, BLOCK_K)
-    n_tiles = gl.cdiv(N, BLOCK_N)
-    tiles_per_group = k_tiles * n_tiles
-    partial = gl.zeros([SUB_K, SUB_N], gl.float32, mma_layout)
-    step = 0
-    for tile in range(gl.program_id(0), G * tiles_per_group, NUM_PROGRAMS):
-        g = tile // tiles_per_group
-        k_tile, n_tile = swizzle_tile(tile % tiles_per_group, k_tiles, n_tiles, GROUP_M)
-        rows = pick(rows_g, offs, g)
-        k0 = k_tile * BLOCK_K + HALF * SUB_K
-        n0 = n_tile * BLOCK_N
-        acc0, acc1, partial, step = promoted_mainloop(
-            _step, (sa_bufs, sb_bufs, HALF, SCALING), gl.cdiv(rows, BLOCK_R), step, partial, a_bufs, b_bufs, ready,
-            empty, HALF, PROXY_FENCE,
-        )  # fmt: skip
-        _epilogue(
-            acc0, c_ptr, out_ptr, sa_ptr, sb_ptr, g, rows, k0, n0, K, N, stride_og, stride_ok, stride_on,
-            stride_sag, stride_sak, stride_sbg, stride_sbn, offs_k, offs_n, ACCUMULATE, SCALING,
-        )  # fmt: skip
-        if BLOCK_N > SUB_N:
-            _epilogue(
-                acc1, c_ptr, out_ptr, sa_ptr, sb_ptr, g, rows, k0, n0 + SUB_N, K, N, stride_og, stride_ok,
-                stride_on, stride_sag, stride_sak, stride_sbg, stride_sbn, offs_k, offs_n, ACCUMULATE, SCALING,
-            )  # fmt: skip
-
-
-@gluon.jit
-def _step(
-    a, b_slot, slot, k, partial, acc, PART: gl.constexpr, sa_bufs, sb_bufs, HALF: gl.constexpr,
-    SCALING: gl.constexpr,
+    out_desc, out_ptr, sa_ptr, sb_ptr, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, M, N, K, G,
+    stride_sag, stride_sak, stride_sbg, stride_sbn, NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr,
+    BLOCK_N: gl.constexpr, BLOCK_R: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_G: gl.constexpr,
+    ACCUMULATE: gl.constexpr, SCALING: gl.constexpr, HALF: gl.constexpr,
 ):  # fmt: skip
-    """One 128-token step of column part PART (SUB_N wide), ``promoted_mainloop``'s step: wgmma into
-    ``partial``, then acc += partial (blockwise: times sa[:, None] * sb[None, :], the step's scale vectors from
-    shared memory)."""
-    SUB_K: gl.constexpr = a.shape[0]
-    SUB_N: gl.constexpr = partial.shape[1]
-    b = b_slot.slice(PART * SUB_N, SUB_N).permute((1, 0))
-    token = warpgroup_mma(a, b, partial, use_acc=False, is_async=True)
-    layout: gl.constexpr = partial.type.layout
-    if SCALING == 2:  # read under the wgmma
-        sa = sa_bufs.index(slot).slice(HALF * SUB_K, SUB_K).load(gl.SliceLayout(1, layout))
-    partial = warpgroup_mma_wait(0, deps=[token])
-    if SCALING == 2:
-        sb = sb_bufs.index(slot).slice(PART * SUB_N, SUB_N).load(gl.SliceLayout(0, layout))
-    if SCALING == 2:
-        acc += (partial * sa[:, None]) * sb[None, :]
-    else:
-        acc += partial
-    return acc, partial
+    """Rows [HALF * 64, HALF * 64 + 64) of every output tile: per step wgmma -> wait -> release -> promote,
+    then the epilogue (``_epilogue``)."""
+    SUB_K: gl.constexpr = BLOCK_K // 2
+    layout: gl.constexpr = wgmma_layout(BLOCK_N, 32)
+    offs_k = gl.arange(0, SUB_K, layout=gl.SliceLayout(1, layout))
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    offs, rows_g, t_units, block_base = _group_space(group_sizes_ptr, G, M, BLOCK_G, BLOCK_R)
+    total_tiles = G * gl.cdiv(K, BLOCK_K) * gl.cdiv(N, BLOCK_N)
+    partial = gl.zeros([SUB_K, BLOCK_N], gl.float32, layout)
+    step = 0
+    for tile in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
+        g, k0, n0 = _locate(tile, K, N, BLOCK_K, BLOCK_N, GROUP_M)
+        k0 += HALF * SUB_K
+        rows = pick(rows_g, offs, g)
+        g_block = pick(block_base, offs, g)
+        k_mask = offs_k < K - k0
+        n_mask = offs_n < N - n0
+        acc = gl.zeros([SUB_K, BLOCK_N], gl.float32, layout)
+        for s in range(gl.cdiv(rows, BLOCK_R)):
+            slot = wait_slot(ready, step)
+            a = a_bufs.index(slot).slice(HALF * SUB_K, SUB_K)
+            b = b_bufs.index(slot).permute((1, 0))
+            token = warpgroup_mma(a, b, partial, use_acc=False, is_async=True)
+            if SCALING == 2:  # this step's scale vectors, read under the wgmma (L2-resident)
+                blk = (g_block + s).to(gl.int64)
+                sa = gl.load(sa_ptr + blk * stride_sag + (k0 + offs_k) * stride_sak, mask=k_mask, other=0.0)
+                sb = gl.load(sb_ptr + blk * stride_sbg + (n0 + offs_n) * stride_sbn, mask=n_mask, other=0.0)
+            partial = warpgroup_mma_wait(0, deps=[token])
+            release_slot(
+                empty, slot
+            )  # the wgmma has read the slot: the loader may refill it under the promotion
+            if SCALING == 2:
+                acc += (partial * sa[:, None]) * sb[None, :]
+            else:
+                acc += partial
+            step += 1
+        _epilogue(
+            acc, out_desc, out_ptr, c_bufs.index(HALF), sa_ptr, sb_ptr, g, rows, k0, n0, K, N, stride_sag,
+            stride_sak, stride_sbg, stride_sbn, offs_k, offs_n, k_mask, n_mask, ACCUMULATE, SCALING,
+        )  # fmt: skip
+    tma.store_wait(0)
 
 
 @gluon.jit
 def _epilogue(
-    acc, c_ptr, out_ptr, sa_ptr, sb_ptr, g, rows, k0, n0, K, N, stride_og, stride_ok, stride_on, stride_sag,
-    stride_sak, stride_sbg, stride_sbn, offs_k, offs_n, ACCUMULATE: gl.constexpr, SCALING: gl.constexpr,
+    acc, out_desc, out_ptr, c_smem, sa_ptr, sb_ptr, g, rows, k0, n0, K, N, stride_sag, stride_sak, stride_sbg,
+    stride_sbn, offs_k, offs_n, k_mask, n_mask, ACCUMULATE: gl.constexpr, SCALING: gl.constexpr,
 ):  # fmt: skip
-    """Tensor/row scales and the masked store (accumulating: load, add, store) of out[g]'s rows
-    [k0, k0 + SUB_K) and columns [n0, n0 + SUB_N)."""
-    k_mask = offs_k < K - k0
-    n_mask = offs_n < N - n0
+    """out[g] rows [k0, k0 + 64), columns [n0, n0 + BLOCK_N): tensor/row scales, then the TMA store (or
+    reduce-add) through this consumer's staging tile, or a masked store from registers for a half tile
+    crossing Ka."""
     g64 = g.to(gl.int64)
     if SCALING == 0:
         acc *= gl.load(sa_ptr + g64 * stride_sag) * gl.load(sb_ptr + g64 * stride_sbg)
@@ -275,106 +221,133 @@ def _epilogue(
         sa = gl.load(sa_ptr + g64 * stride_sag + (k0 + offs_k) * stride_sak, mask=k_mask, other=0.0)
         sb = gl.load(sb_ptr + g64 * stride_sbg + (n0 + offs_n) * stride_sbn, mask=n_mask, other=0.0)
         acc *= sa[:, None] * sb[None, :]
-    # int32 offsets inside out[g] (supported_problem bounds its span), from this tile's row and column
-    # vectors: int64 ones, or a loop-invariant in-tile part (hoisted out of the tile loop), cost the
-    # registers the accumulating epilogue needs (ptxas spilled 1.4 KB a thread).
-    offsets = ((k0 + offs_k) * stride_ok)[:, None] + ((n0 + offs_n) * stride_on)[None, :]
-    c_ptr += g64 * stride_og
-    out_ptr += g64 * stride_og
-    mask = k_mask[:, None] & n_mask[None, :]
+    # An empty group's out[g] is neither read nor written when accumulating (k_grouped.py says why).
     if ACCUMULATE:
-        if rows > 0:  # an empty group's out[g] is neither read nor written (k_grouped.py says why)
-            acc += gl.load(c_ptr + offsets, mask=mask, other=0.0).to(gl.float32)
-            gl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        if rows > 0:
+            _store(acc, out_desc, out_ptr, c_smem, g, k0, n0, K, N, offs_k, offs_n, k_mask, n_mask, True)
     else:
-        gl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        _store(acc, out_desc, out_ptr, c_smem, g, k0, n0, K, N, offs_k, offs_n, k_mask, n_mask, False)
+
+
+@gluon.jit
+def _store(
+    acc, out_desc, out_ptr, c_smem, g, k0, n0, K, N, offs_k, offs_n, k_mask, n_mask, ACCUMULATE: gl.constexpr
+):  # fmt: skip
+    """out[g][k0:k0 + 64, n0:n0 + BLOCK_N] (+)= acc."""
+    SUB_K: gl.constexpr = acc.shape[0]
+    if k0 + SUB_K <= K:
+        # This consumer's previous store has read the staging tile (issued a whole tile of steps ago; a second
+        # staging tile per consumer, in flight beside it, measured no faster: docs/design.md, 'The FP8 wgrad').
+        tma.store_wait(0)
+        thread_barrier()  # (the issuing thread waited; every thread writes the tile)
+        c_smem.store(acc.to(c_smem.dtype))
+        fence_async_shared()
+        thread_barrier()  # every thread's part is in shared memory before the one issuing thread copies
+        if ACCUMULATE:
+            tma_reduce_add(out_desc, [g * K + k0, n0], c_smem)
+        else:
+            tma_store(out_desc, [g * K + k0, n0], c_smem)
+    elif k0 < K:
+        # int32 offsets inside out[g] (supported_problem bounds its span); out is contiguous.
+        offsets = ((k0 + offs_k) * N)[:, None] + (n0 + offs_n)[None, :]
+        ptrs = out_ptr + g.to(gl.int64) * K * N + offsets
+        mask = k_mask[:, None] & n_mask[None, :]
+        if ACCUMULATE:
+            acc += gl.load(ptrs, mask=mask, other=0.0).to(gl.float32)
+        gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
 def k_grouped_mm_fp8_ws_kernel(
+    out_desc,  # a host TensorDescriptor over out viewed [G * K, N], block [BLOCK_K // 2, BLOCK_N]
     a_ptr,
     b_ptr,
     sa_ptr,
     sb_ptr,
     group_sizes_ptr,
-    c_ptr,
-    out_ptr,
+    out_ptr,  # out itself: the half tiles that cross Ka are stored from registers
     M,
     N,
     K,
     G,
     stride_ak,
     stride_bn,
-    stride_og,
-    stride_ok,
-    stride_on,
     stride_sag,  # TENSOR, ROW: per group; BLOCK: per token block
     stride_sak,
     stride_sbg,
     stride_sbn,
     NUM_PROGRAMS: gl.constexpr,
-    BLOCK_K: gl.constexpr,
+    BLOCK_K: gl.constexpr,  # 128: two consumer warpgroups of 64 out rows
     BLOCK_N: gl.constexpr,
-    BLOCK_R: gl.constexpr,
+    BLOCK_R: gl.constexpr,  # 128: one scale block a step
     GROUP_M: gl.constexpr,
     BLOCK_G: gl.constexpr,
     ACCUMULATE: gl.constexpr,
     SCALING: gl.constexpr,
-    SCALE_BLOCK: gl.constexpr,  # 128
     NUM_STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,  # setmaxnreg of each consumer warpgroup; the loader gets the rest
-    PROXY_FENCE: gl.constexpr,
 ):
-    gl.static_assert(BLOCK_K == 128, "two consumer warpgroups of 64 rows")
-    gl.static_assert(BLOCK_R == SCALE_BLOCK, "one 128-token scale block per step")
-    a_bufs = operand_ring(a_ptr.dtype.element_ty, NUM_STAGES, BLOCK_K, BLOCK_R)
-    b_bufs = operand_ring(b_ptr.dtype.element_ty, NUM_STAGES, BLOCK_N, BLOCK_R)
-    sa_bufs = scale_ring(NUM_STAGES, BLOCK_K)
-    sb_bufs = scale_ring(NUM_STAGES, BLOCK_N)
+    dtype: gl.constexpr = a_ptr.dtype.element_ty
+    a_bufs = operand_ring(dtype, NUM_STAGES, BLOCK_K, BLOCK_R)
+    b_bufs = operand_ring(dtype, NUM_STAGES, BLOCK_N, BLOCK_R)
+    c_bufs = gl.allocate_shared_memory(out_desc.dtype, [2, BLOCK_K // 2, BLOCK_N], out_desc.layout)
     ready, empty = ring_barriers(NUM_STAGES)
     warp_specialize_ring(
         _loader,
         (
-            a_ptr, b_ptr, sa_ptr, sb_ptr, group_sizes_ptr, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, M, N, K, G,
-            stride_ak, stride_bn, stride_sag, stride_sak, stride_sbg, stride_sbn, SCALING, SCALE_BLOCK, NUM_PROGRAMS,
-            BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G,
+            a_ptr, b_ptr, group_sizes_ptr, a_bufs, b_bufs, ready, empty, M, N, K, G, stride_ak, stride_bn,
+            NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G,
         ),
         _consumer,
         (
-            sa_ptr, sb_ptr, group_sizes_ptr, c_ptr, out_ptr, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, M, N, K,
-            G, stride_og, stride_ok, stride_on, stride_sag, stride_sak, stride_sbg, stride_sbn, NUM_PROGRAMS, BLOCK_K,
-            BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G, ACCUMULATE, SCALING, SCALE_BLOCK, PROXY_FENCE,
+            out_desc, out_ptr, sa_ptr, sb_ptr, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, M, N, K, G,
+            stride_sag, stride_sak, stride_sbg, stride_sbn, NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M,
+            BLOCK_G, ACCUMULATE, SCALING,
         ),
         CONSUMER_REGS,
     )  # fmt: skip
 
 
+def shared_bytes(block_n: int, num_stages: int, out_itemsize: int) -> int:
+    """The ring (FP8 a and b tiles a slot) and the consumers' two staging tiles."""
+    return num_stages * BLOCK_R * (BLOCK_K + block_n) + 2 * (BLOCK_K // 2) * block_n * out_itemsize
+
+
 @dataclasses.dataclass(frozen=True)
 class KGroupedFp8WsLaunch:
-    """Grid and meta-parameters of one k_grouped_mm_fp8_ws_kernel launch, from static shapes only."""
+    """Grid and meta-parameters of one k_grouped_mm_fp8_ws_kernel launch, from static shapes only. The front
+    end builds out's descriptor: [G * K, N] with block [BLOCK_K // 2, BLOCK_N], an NVMMA-swizzled layout."""
 
     grid: tuple[int]
     meta: dict
 
     @staticmethod
-    def make(M: int, N: int, K: int, G: int, *, recipe: str, config, num_programs_cap: int, accumulate: bool):
-        """N, K: out[g]'s columns and rows (b_t's and a_t's rows); config: ``configs.Fp8WsConfig``;
-        num_programs_cap: the SM count (one CTA per SM: the ring takes most of shared memory)."""
-        tiles = G * triton.cdiv(K, 128) * triton.cdiv(N, config.block_n)
+    def make(
+        M: int, N: int, K: int, G: int, *, recipe: str, config, num_programs_cap: int, accumulate: bool,
+        out_itemsize: int = 4,
+    ):  # fmt: skip
+        """N, K: out[g]'s columns and rows (b_t's and a_t's rows); config: ``configs.Fp8WsConfig`` (its ring
+        depth capped at what fits beside the staging tiles); num_programs_cap: the SM count (one CTA per SM)."""
+        if config.block_n != 128:
+            raise ValueError(
+                f"k_grouped_fp8_ws: block_n must be 128 (64 x 128 fp32 per consumer), got {config}"
+            )
+        stages = config.num_stages
+        while stages > 2 and not sm90_shared_fits(shared_bytes(config.block_n, stages, out_itemsize), 1):
+            stages -= 1
+        tiles = G * triton.cdiv(K, BLOCK_K) * triton.cdiv(N, config.block_n)
         num_programs = max(1, min(tiles, num_programs_cap))
         meta = dict(
             NUM_PROGRAMS=num_programs,
-            BLOCK_K=128,
+            BLOCK_K=BLOCK_K,
             BLOCK_N=config.block_n,
-            BLOCK_R=128,
+            BLOCK_R=BLOCK_R,
             GROUP_M=config.group_m,
             BLOCK_G=max(16, triton.next_power_of_2(G)),
             ACCUMULATE=accumulate,
             SCALING=SCALINGS[recipe],
-            SCALE_BLOCK=128,
-            NUM_STAGES=config.num_stages,
+            NUM_STAGES=stages,
             CONSUMER_REGS=config.consumer_regs,
-            PROXY_FENCE=True,  # the memory model asks for it (m_grouped_fp8_ws measured its cost: 2%)
             num_warps=LOADER_WARPS,
             maxnreg=MAXNREG,
         )

@@ -48,6 +48,7 @@ from moegemm._src.kernels.gluon_hopper import (
     thread_barrier,
     tma,
     tma_load,
+    tma_store,
     wait_slot,
     warp_specialize_ring,
     warpgroup_mma,
@@ -59,8 +60,6 @@ from moegemm._src.kernels.schedule import pick, sm90_shared_fits, swizzle_tile
 __all__ = ["BLOCK_K", "KGroupedWsLaunch", "k_grouped_mm_ws_kernel", "supported", "supported_problem"]
 
 BLOCK_K = 128  # out rows per tile: two consumer warpgroups of 64
-# triton 3.9 turned tma.async_copy_shared_to_global into a stub that raises; async_store takes its place.
-tma_store = (getattr(tma, "async_store", None) or tma.async_copy_shared_to_global) if supported() else None
 
 
 def supported_problem(Ka: int, Nb: int, itemsize: int, row_strides: tuple[int, ...], M: int) -> bool:
@@ -162,7 +161,7 @@ def _consumer(
         g, k0, n0, row_start, row_end = _locate(tile, offs, starts, ends, K, N, BLOCK_K, BLOCK_N, GROUP_M)
         acc = gl.zeros([SUB_K, BLOCK_N], gl.float32, mma_layout)
         for r in range(gl.maximum(gl.cdiv(row_end - row_start, BLOCK_R), 1)):
-            slot = wait_slot(ready, step, False)  # TMA writes through the async proxy wgmma reads
+            slot = wait_slot(ready, step)
             a = a_bufs.index(2 * slot + HALF).permute((1, 0))  # [SUB_K, BLOCK_R], read transposed
             acc = warpgroup_mma(a, b_bufs.index(slot), acc, is_async=True)
             # Step r - 1's wgmma has drained once at most this one is in flight: its slot goes back.
@@ -219,7 +218,7 @@ def k_grouped_mm_ws_kernel(
     a_bufs = operand_ring(dtype, 2 * NUM_STAGES, BLOCK_R, BLOCK_K // 2)  # a slot's two column halves
     b_bufs = operand_ring(dtype, NUM_STAGES, BLOCK_R, BLOCK_N)
     c_bufs = gl.allocate_shared_memory(out_desc.dtype, [C_TILES, BLOCK_K // 2, BLOCK_N], out_desc.layout)
-    ready, empty = ring_barriers(NUM_STAGES, True)
+    ready, empty = ring_barriers(NUM_STAGES)
     c_turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(c_turn.index(i), count=1)

@@ -13,15 +13,18 @@ promotion runs under the other's wgmma (docs/design.md, 'Warp-specialized FP8 ke
 
 The ring, its protocol, the partitions and the consumers' K loop are ``gluon_hopper``'s (``warp_specialize_ring``,
 ``promoted_mainloop``); this module adds:
-- ``_loader``: cp.async of each step's x [BLOCK_M, BLOCK_K] and w [BLOCK_N, BLOCK_K] tiles and (blockwise) the
-  activation scales sx [BLOCK_M] into the ring. Not TMA: the kernel must stay launchable where host tensor
-  descriptors cannot be passed (jax-triton 0.3.1).
-- ``_step``: one K step of a consumer: wgmma, the blockwise scales read under it, the promotion.
+- ``_loader``: two bulk copies (TMA) a step, x [BLOCK_M, BLOCK_K] and w [BLOCK_N, BLOCK_K], into the ring,
+  through descriptors it makes on the device over x [M, K] and w viewed [G * N, K] (Triton's global scratch;
+  PyTorch launches only). A tile's rows past its group, or columns past N, are the next group's rows (zeros
+  past the tensor): the epilogue's masks drop what they add. A cp.async loader (four warps issuing 16-byte
+  copies) ran the dsv3-ep8-fc1 dgrad at 975 TF/s (docs/design.md, 'The FP8 wgrad' says what TMA changed).
+- ``_step``: one K step of a consumer: wgmma, the blockwise scales read from global memory under it (with
+  TMA filling the ring no proxy fence waits on those loads), the promotion.
 - ``_epilogue``: tensor/row scales, bias, the masked store straight from the wgmma registers.
 Every partition walks the same persistent tile sequence (``moegemm._src.kernels.schedule``), computed from
 group_sizes by each (workers take no tensors), so the ring's slot and phase agree without messages.
 
-Supported: K a multiple of 16 (cp.async moves 16 bytes: the K mask must be constant per chunk), no
+Supported: K a multiple of 16 (16-byte TMA rows), w's groups back to back (``stride_wg == N * stride_wn``), no
 group offset. ``supported_problem`` says so; the launcher runs the Triton kernel otherwise.
 """
 
@@ -34,19 +37,16 @@ import triton
 from moegemm._src.kernels.gluon_hopper import (
     LOADER_WARPS,
     MAXNREG,
-    acquire_slot,
-    async_load,
-    commit_slot,
-    copy_layout,
+    acquire_slot_tx,
     gl,
     gluon,
     m_tile_space,
     operand_ring,
     promoted_mainloop,
     ring_barriers,
-    scale_ring,
-    sched_layout,
     supported,
+    tma,
+    tma_load,
     warp_specialize_ring,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -58,52 +58,30 @@ SCALINGS = {"tensorwise": 0, "rowwise": 1, "blockwise": 2}
 __all__ = ["LOADER_WARPS", "MAXNREG", "SCALINGS", "MGroupedFp8WsLaunch", "supported", "supported_problem"]
 
 
-def supported_problem(K: int, has_group_offset: bool, row_stride: int) -> bool:
-    """Problems this kernel takes: K in 16-byte chunks (cp.async), no EP offset, and row offsets inside
-    a 256-row tile (``row_stride``: the larger of x's and w's row strides) that fit int32."""
-    return supported() and K % 16 == 0 and not has_group_offset and 256 * row_stride < 2**31
+def supported_problem(K: int, has_group_offset: bool, row_stride: int, M: int = 0, w_rows: int = 0) -> bool:
+    """Problems this kernel takes: K in 16-byte rows (TMA), no EP offset, row strides (``row_stride``: the larger
+    of x's and w's) and TMA row coordinates (x's M rows, w's G * N) that fit int32."""
+    return (
+        supported()
+        and K % 16 == 0
+        and not has_group_offset
+        and row_stride < 2**31
+        and M < 2**31
+        and w_rows < 2**31
+    )
 
 
 @gluon.jit
 def _loader(
-    x_ptr,
-    w_ptr,
-    sx_ptr,
-    group_sizes_ptr,
-    a_bufs,
-    b_bufs,
-    sx_bufs,
-    ready,
-    empty,
-    M,
-    N,
-    K,
-    G,
-    stride_xm,
-    stride_wg,
-    stride_wn,
-    stride_sxm,
-    stride_sxk,
-    SCALING: gl.constexpr,
-    SCALE_BLOCK: gl.constexpr,
-    NUM_PROGRAMS: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    BLOCK_K: gl.constexpr,
-    GROUP_M: gl.constexpr,
-    BLOCK_G: gl.constexpr,
-    EVEN_K: gl.constexpr,
-):
-    """Fills ring slot step % NUM_STAGES with each step's x [BLOCK_M, BLOCK_K] and w [BLOCK_N, BLOCK_K]
-    tiles once both consumers released it, and (blockwise) the step's activation scales sx [BLOCK_M]:
-    the consumers read them from shared memory, since a global load in flight would stall their proxy
-    fence. Masked chunks are zero-filled (cp.async source size 0): rows past the group, columns past N
-    and K past its end add nothing."""
-    layout: gl.constexpr = copy_layout(BLOCK_K, gl.num_warps())
-    cp_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-    cp_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-    cp_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
-    offs_r = gl.arange(0, BLOCK_M, layout=sched_layout(gl.num_warps()))  # sx: one row per thread
+    x_ptr, w_ptr, group_sizes_ptr, a_bufs, b_bufs, ready, empty, M, N, K, G, stride_xm, stride_wn,
+    NUM_PROGRAMS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    GROUP_M: gl.constexpr, BLOCK_G: gl.constexpr,
+):  # fmt: skip
+    """Fills ring slot step % NUM_STAGES with each step's x [BLOCK_M, BLOCK_K] and w [BLOCK_N, BLOCK_K] tiles
+    once both consumers released it. Boxes past M, G * N or K land as zeros."""
+    STEP_BYTES: gl.constexpr = (BLOCK_M + BLOCK_N) * BLOCK_K * a_bufs.dtype.primitive_bitwidth // 8
+    x_desc = tma.make_tensor_descriptor(x_ptr, [M, K], [stride_xm, 1], [BLOCK_M, BLOCK_K], a_bufs.layout)
+    w_desc = tma.make_tensor_descriptor(w_ptr, [G * N, K], [stride_wn, 1], [BLOCK_N, BLOCK_K], b_bufs.layout)
     n_tiles = gl.cdiv(N, BLOCK_N)
     offs, starts, ends, m_tiles, tile_ends, total_tiles = m_tile_space(
         group_sizes_ptr, G, M, n_tiles, BLOCK_M, BLOCK_G
@@ -113,31 +91,11 @@ def _loader(
         g, _, n_tile, row0, row_end, _ = locate_row_tile(
             tile, offs, starts, ends, m_tiles, tile_ends, n_tiles, BLOCK_M, GROUP_M
         )
-        col0 = n_tile * BLOCK_N
-        x_base = x_ptr + row0.to(gl.int64) * stride_xm
-        w_base = w_ptr + gl.minimum(g, G - 1).to(gl.int64) * stride_wg + col0.to(gl.int64) * stride_wn
-        # Offsets inside the tile fit int32 (supported_problem bounds the strides).
-        x_offs = cp_m[:, None] * stride_xm + cp_k[None, :]
-        w_offs = cp_n[:, None] * stride_wn + cp_k[None, :]
-        a_mask = (cp_m < row_end - row0)[:, None]
-        sx_rows = sx_ptr + (row0 + offs_r).to(gl.int64) * stride_sxm
-        sx_mask = offs_r < row_end - row0
-        b_mask = (cp_n < N - col0)[:, None]
-        k_steps = gl.where(g < G, gl.cdiv(K, BLOCK_K), 0)
-        for k in range(k_steps):
-            slot = acquire_slot(empty, step)
-            k0 = k * BLOCK_K
-            if EVEN_K:
-                async_load(a_bufs.index(slot), x_base + k0 + x_offs, mask=a_mask)
-                async_load(b_bufs.index(slot), w_base + k0 + w_offs, mask=b_mask)
-            else:
-                k_in = (cp_k < K - k0)[None, :]
-                async_load(a_bufs.index(slot), x_base + k0 + x_offs, mask=a_mask & k_in)
-                async_load(b_bufs.index(slot), w_base + k0 + w_offs, mask=b_mask & k_in)
-            if SCALING == 2:
-                kb = k0 // SCALE_BLOCK
-                async_load(sx_bufs.index(slot), sx_rows + kb * stride_sxk, mask=sx_mask)
-            commit_slot(ready, slot)
+        w_row = gl.minimum(g, G - 1) * N + n_tile * BLOCK_N
+        for k in range(gl.where(g < G, gl.cdiv(K, BLOCK_K), 0)):  # the tail slot loads nothing
+            slot, bar = acquire_slot_tx(ready, empty, step, STEP_BYTES)
+            tma_load(x_desc, [row0, k * BLOCK_K], bar, a_bufs.index(slot))
+            tma_load(w_desc, [w_row, k * BLOCK_K], bar, b_bufs.index(slot))
             step += 1
 
 
@@ -150,7 +108,6 @@ def _consumer(
     group_sizes_ptr,
     a_bufs,
     b_bufs,
-    sx_bufs,
     ready,
     empty,
     M,
@@ -176,7 +133,6 @@ def _consumer(
     HAS_BIAS: gl.constexpr,
     SCALING: gl.constexpr,
     SCALE_BLOCK: gl.constexpr,
-    PROXY_FENCE: gl.constexpr,
     HALF: gl.constexpr,
 ):
     """Rows [HALF * BLOCK_M / 2, (HALF + 1) * BLOCK_M / 2) of every tile: ``promoted_mainloop`` with ``_step``,
@@ -204,9 +160,9 @@ def _consumer(
         k_steps = gl.where(g < G, gl.cdiv(K, BLOCK_K), 0)
         acc0, acc1, partial, step = promoted_mainloop(
             _step,
-            (sx_bufs, sw_ptr, g_w, col0, N, stride_swg, stride_swn, stride_swk, offs_n, HALF, BLOCK_K, SCALING,
-             SCALE_BLOCK),
-            k_steps, step, partial, a_bufs, b_bufs, ready, empty, HALF, PROXY_FENCE,
+            (sx_ptr, rows_g, rows, stride_sxm, stride_sxk, offs_m, sw_ptr, g_w, col0, N, stride_swg, stride_swn,
+             stride_swk, offs_n, BLOCK_K, SCALING, SCALE_BLOCK),
+            k_steps, step, partial, a_bufs, b_bufs, ready, empty, HALF,
         )  # fmt: skip
         _epilogue(
             acc0, out_ptr, sx_ptr, sw_ptr, bias_ptr, g, g_w, G, rows_g, rows, col0, N, stride_om, stride_on,
@@ -222,19 +178,19 @@ def _consumer(
 
 @gluon.jit
 def _step(
-    a, b_slot, slot, k, partial, acc, PART: gl.constexpr, sx_bufs, sw_ptr, g_w, col0, N, stride_swg, stride_swn,
-    stride_swk, offs_n, HALF: gl.constexpr, BLOCK_K: gl.constexpr, SCALING: gl.constexpr, SCALE_BLOCK: gl.constexpr,
+    a, b_slot, slot, k, partial, acc, PART: gl.constexpr, sx_ptr, rows_g, rows, stride_sxm, stride_sxk, offs_m,
+    sw_ptr, g_w, col0, N, stride_swg, stride_swn, stride_swk, offs_n, BLOCK_K: gl.constexpr, SCALING: gl.constexpr,
+    SCALE_BLOCK: gl.constexpr,
 ):  # fmt: skip
     """K step k of column part PART (SUB_N wide), ``promoted_mainloop``'s step: wgmma into ``partial``, then
-    acc += partial (blockwise: times the step's activation scales from shared memory and the weight's)."""
+    acc += partial (blockwise: times the step's activation and weight scales, loaded under the wgmma)."""
     SUB_N: gl.constexpr = partial.shape[1]
     sw_base = sw_ptr + g_w * stride_swg + ((k * BLOCK_K) // SCALE_BLOCK) * stride_swk
     b = b_slot.slice(PART * SUB_N, SUB_N).permute((1, 0))
     token = warpgroup_mma(a, b, partial, use_acc=False, is_async=True)
-    layout: gl.constexpr = partial.type.layout
     if SCALING == 2:  # loaded under the wgmma
-        SUB_M: gl.constexpr = a.shape[0]
-        sx = sx_bufs.index(slot).slice(HALF * SUB_M, SUB_M).load(gl.SliceLayout(1, layout))
+        kb = (k * BLOCK_K) // SCALE_BLOCK
+        sx = gl.load(sx_ptr + rows_g * stride_sxm + kb * stride_sxk, mask=offs_m < rows, other=0.0)
         c0 = col0 + PART * SUB_N
         # The weight's scales along K are contiguous: one L1 line serves 32 steps.
         if SCALE_BLOCK % SUB_N == 0:  # the part sits inside one weight block
@@ -295,8 +251,7 @@ def m_grouped_mm_fp8_ws_kernel(
     K,
     G,
     stride_xm,
-    stride_wg,
-    stride_wn,
+    stride_wn,  # w's groups back to back: group g's rows start at row g * N (supported_problem)
     stride_om,
     stride_on,
     stride_bg,
@@ -313,13 +268,11 @@ def m_grouped_mm_fp8_ws_kernel(
     BLOCK_K: gl.constexpr,
     GROUP_M: gl.constexpr,
     BLOCK_G: gl.constexpr,
-    EVEN_K: gl.constexpr,
     HAS_BIAS: gl.constexpr,
     SCALING: gl.constexpr,
     SCALE_BLOCK: gl.constexpr,  # 128
     NUM_STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,  # setmaxnreg of each consumer warpgroup; the loader gets the rest
-    PROXY_FENCE: gl.constexpr,
 ):
     gl.static_assert(BLOCK_M == 128, "two consumer warpgroups of 64 rows")
     gl.static_assert(
@@ -327,21 +280,18 @@ def m_grouped_mm_fp8_ws_kernel(
     )
     a_bufs = operand_ring(x_ptr.dtype.element_ty, NUM_STAGES, BLOCK_M, BLOCK_K)
     b_bufs = operand_ring(w_ptr.dtype.element_ty, NUM_STAGES, BLOCK_N, BLOCK_K)
-    sx_bufs = scale_ring(NUM_STAGES, BLOCK_M)
     ready, empty = ring_barriers(NUM_STAGES)
     warp_specialize_ring(
         _loader,
         (
-            x_ptr, w_ptr, sx_ptr, group_sizes_ptr, a_bufs, b_bufs, sx_bufs, ready, empty, M, N, K, G, stride_xm,
-            stride_wg, stride_wn, stride_sxm, stride_sxk, SCALING, SCALE_BLOCK, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K,
-            GROUP_M, BLOCK_G, EVEN_K,
+            x_ptr, w_ptr, group_sizes_ptr, a_bufs, b_bufs, ready, empty, M, N, K, G, stride_xm, stride_wn,
+            NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, BLOCK_G,
         ),
         _consumer,
         (
-            sx_ptr, sw_ptr, bias_ptr, out_ptr, group_sizes_ptr, a_bufs, b_bufs, sx_bufs, ready, empty, M, N, K, G,
+            sx_ptr, sw_ptr, bias_ptr, out_ptr, group_sizes_ptr, a_bufs, b_bufs, ready, empty, M, N, K, G,
             stride_om, stride_on, stride_bg, stride_bn, stride_sxg, stride_sxm, stride_sxk, stride_swg, stride_swn,
             stride_swk, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, BLOCK_G, HAS_BIAS, SCALING, SCALE_BLOCK,
-            PROXY_FENCE,
         ),
         CONSUMER_REGS,
     )  # fmt: skip
@@ -368,14 +318,11 @@ class MGroupedFp8WsLaunch:
             BLOCK_K=bk,
             GROUP_M=config.group_m,
             BLOCK_G=max(16, triton.next_power_of_2(G + 1)),
-            EVEN_K=K % bk == 0,
             HAS_BIAS=has_bias,
             SCALING=SCALINGS[recipe],
             SCALE_BLOCK=128,
             NUM_STAGES=config.num_stages,
             CONSUMER_REGS=config.consumer_regs,
-            # Measured cost 2% (dsv3 blockwise 800 vs 816 TF/s without); the memory model asks for it.
-            PROXY_FENCE=True,
             num_warps=LOADER_WARPS,
             maxnreg=MAXNREG,
         )

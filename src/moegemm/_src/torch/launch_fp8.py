@@ -22,13 +22,15 @@ from moegemm._src.torch.launch import (
     INTERPRET,
     DirectLaunch,
     _dtype_name,
+    _ensure_allocator,
+    _nvmma_layout,
     _target,
 )
 
 M_GROUPED_FP8 = DirectLaunch(m_grouped_mm_fp8_kernel)
 M_GROUPED_FP8_WS = DirectLaunch(ws.m_grouped_mm_fp8_ws_kernel)
 K_GROUPED_FP8 = DirectLaunch(k_grouped_mm_fp8_kernel)
-K_GROUPED_FP8_WS = DirectLaunch(k_ws.k_grouped_mm_fp8_ws_kernel)
+K_GROUPED_FP8_WS = DirectLaunch(k_ws.k_grouped_mm_fp8_ws_kernel, descriptors=True)
 GROUP_AMAX = DirectLaunch(qk.fp8_group_amax_kernel)
 QUANTIZE_TILES = DirectLaunch(qk.fp8_quantize_tiles_kernel)
 QUANTIZE_ROWS = DirectLaunch(qk.fp8_quantize_rows_kernel)
@@ -80,15 +82,16 @@ def _m_launch(M, N, K, G, recipe, dtype, device, max_stride, has_bias, fast_accu
 def _m_ws_launch(
     M, N, K, G, recipe, dtype, device, max_stride, has_bias, fast_accum, x_strides, w_strides
 ) -> plan.Plan | None:
-    """The warp-specialized plan, or None where the plan keeps the Triton kernel. The layout fact it needs:
-    K-contiguous operands with 16-byte aligned row strides (16-byte cp.async; fp8 storage pads rows to 16, a
-    foreign view may not). Static facts only, so it is decided once per shape."""
+    """The warp-specialized plan, or None where the plan keeps the Triton kernel. The layout facts it needs:
+    K-contiguous operands with 16-byte aligned row strides (TMA; fp8 storage pads rows to 16, a foreign view
+    may not), w's groups back to back (its loader views w as [G * N, K]). Static facts only, so it is decided
+    once per shape."""
     ws_layout = (
         x_strides[1] == 1
         and w_strides[2] == 1
         and x_strides[0] % 16 == 0
-        and w_strides[0] % 16 == 0
         and w_strides[1] % 16 == 0
+        and w_strides[0] == N * w_strides[1]
     )
     if not ws_layout:
         return None
@@ -133,11 +136,13 @@ def _k_ws_launch(
     M, N, K, G, recipe, dtype, device, max_stride, accumulate, fast_accum, a_strides, b_strides, out_strides,
     out_dtype,
 ) -> plan.Plan | None:  # fmt: skip
-    """The warp-specialized wgrad's plan, or None where the plan keeps the Triton kernel. The layout fact it
-    needs: token-contiguous transposed copies (``moegemm._src.fp8`` storage has them, a foreign view may not).
-    Static facts only, so it is decided once per shape."""
+    """The warp-specialized wgrad's plan, or None where the plan keeps the Triton kernel. The layout facts it
+    needs: token-contiguous transposed copies (``moegemm._src.fp8`` storage has them, a foreign view may not)
+    and a contiguous out with 16-byte rows (its TMA descriptor). Static facts only, so it is decided once per
+    shape."""
     if not (a_strides[1] == 1 and b_strides[1] == 1):
         return None
+    out_tma = out_strides == (K * N, N, 1) and (N * out_dtype.itemsize) % 16 == 0
     problem = plan.Problem(
         plan.K_GROUPED,
         M,
@@ -149,6 +154,7 @@ def _k_ws_launch(
         max_stride=max_stride,
         accumulate=accumulate,
         ws_layout=True,
+        tma_store_layout=out_tma,
         row_strides=(a_strides[0], b_strides[0]),
         out_span=(K - 1) * abs(out_strides[1]) + (N - 1) * abs(out_strides[2]) + 1,
         recipe=recipe,
@@ -156,6 +162,13 @@ def _k_ws_launch(
     )
     chosen = plan.plan(problem, _target(device), CAPABILITIES)
     return chosen if chosen.kernel == "k_grouped_fp8_ws" else None
+
+
+_OUT_GL_DTYPES = (
+    {torch.float32: k_ws.gl.float32, torch.bfloat16: k_ws.gl.bfloat16, torch.float16: k_ws.gl.float16}
+    if k_ws.supported()
+    else {}
+)
 
 
 @functools.lru_cache(maxsize=64)
@@ -173,17 +186,18 @@ def launch_m_grouped_fp8(x, sx, w, sw, group_sizes, out, bias, recipe: str, fast
     sb = (0, 0) if bias is None else bias.stride()
     strides = (*x.stride(), *w.stride(), *out.stride(), *sb)
     spec = (M, N, K, G, recipe, x.dtype, x.device, max(map(abs, strides)), bias is not None, fast_accum)
-    # 16-byte cp.async also needs 16-byte aligned base pointers (the one dynamic fact).
+    # TMA also needs 16-byte aligned base pointers (the one dynamic fact).
     ws_launch = (
         _m_ws_launch(*spec, x.stride(), w.stride())
         if x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
         else None
     )
     if ws_launch is not None:
+        _ensure_allocator()  # the loader's descriptors live in Triton's global scratch
         M_GROUPED_FP8_WS.launch(
             spec,
             (x, w, sx, sw, group_sizes, sx if bias is None else bias, out),
-            (M, N, K, G, x.stride(0), *w.stride()[:2], *out.stride(), *sb, *_m_scale_strides(recipe, sx, sw)),
+            (M, N, K, G, x.stride(0), w.stride(1), *out.stride(), *sb, *_m_scale_strides(recipe, sx, sw)),
             lambda: ws_launch,
         )
         return
@@ -206,27 +220,21 @@ def launch_k_grouped_fp8(
         return
     strides = (*a_t.stride(), *b_t.stride(), *out.stride())
     spec = (M, N, K, G, recipe, a_t.dtype, a_t.device, max(map(abs, strides)), accumulate, fast_accum)
-    # 16-byte cp.async also needs 16-byte aligned base pointers (the one dynamic fact).
+    # TMA also needs 16-byte aligned base pointers (the one dynamic fact).
     ws_launch = (
         _k_ws_launch(*spec, a_t.stride(), b_t.stride(), out.stride(), out.dtype)
-        if a_t.data_ptr() % 16 == 0 and b_t.data_ptr() % 16 == 0
+        if a_t.data_ptr() % 16 == 0 and b_t.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0
         else None
     )
     if ws_launch is not None:
+        _ensure_allocator()  # the loader's descriptors live in Triton's global scratch
+        block = [k_ws.BLOCK_K // 2, ws_launch.meta["BLOCK_N"]]
+        layout = _nvmma_layout(*block, _OUT_GL_DTYPES[out.dtype])
+        out_desc = k_ws.TensorDescriptor(out.view(G * K, N), [G * K, N], [N, 1], block, layout)
         K_GROUPED_FP8_WS.launch(
-            spec,
-            (a_t, b_t, sa, sb, group_sizes, out, out),
-            (
-                M,
-                N,
-                K,
-                G,
-                a_t.stride(0),
-                b_t.stride(0),
-                *out.stride(),
-                *_k_scale_strides(sa),
-                *_k_scale_strides(sb),
-            ),
+            (*spec, out.dtype),
+            (out_desc, a_t, b_t, sa, sb, group_sizes, out),
+            (M, N, K, G, a_t.stride(0), b_t.stride(0), *_k_scale_strides(sa), *_k_scale_strides(sb)),
             lambda: ws_launch,
         )
         return
