@@ -499,6 +499,7 @@ def test_m_grouped_fp8_warp_specialized_takes_the_suite(case):
     [("store", torch.float32), ("accumulate", torch.float32), ("store", torch.bfloat16)],
     ids=["store", "accumulate", "store-bf16"],
 )
+@pytest.mark.parametrize("block_n", [128, 256])
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize(
     "M,K,N,sizes",
@@ -512,17 +513,19 @@ def test_m_grouped_fp8_warp_specialized_takes_the_suite(case):
     ],
     ids=["skew-empty-tail", "dirichlet-odd-n", "one-hot", "all-empty", "odd-dims", "long-groups"],
 )
-def test_k_grouped_fp8_warp_specialized(recipe, mode, out_dtype, M, K, N, sizes, monkeypatch):
+def test_k_grouped_fp8_warp_specialized(recipe, block_n, mode, out_dtype, M, K, N, sizes, monkeypatch):
     """The warp-specialized Gluon wgrad (promoted mode on sm90; TMA loader, TMA store or reduce-add):
     dW [G, N, K] against the fp64 oracle of the dequantized transposed copies, into a NaN-poisoned
     buffer (every element written; fp32 or bf16) or accumulated into main_grad (an empty group's left
-    bit-identical). Odd N and the dirichlet case end out[g] inside a half tile (the register-store path); a
-    spy makes sure it is that kernel that ran."""
+    bit-identical), each tile width. Odd N and the dirichlet case end out[g] inside a half tile (the
+    register-store path); a spy makes sure it is that kernel that ran."""
     from moegemm._src import configs
     from moegemm._src.torch import launch_fp8 as _launch_fp8
 
     accumulate = mode == "accumulate"
-    calls = ws_spy(monkeypatch, "K_GROUPED_FP8_WS", configs.Fp8WsConfig(128, 6, 8, 232))
+    calls = ws_spy(
+        monkeypatch, "K_GROUPED_FP8_WS", configs.candidates("k_grouped_fp8_ws", "sm90")[block_n == 256]
+    )
     try:
         gs, x_q, w_q, dy_q = GemmTest().operands(recipe, M, K, N, sizes, seed=M)
         if accumulate:
@@ -560,7 +563,7 @@ def test_k_grouped_fp8_warp_specialized_clamps_bad_sizes(name, M, sizes, recipe,
     from moegemm._src.torch import launch_fp8 as _launch_fp8
 
     # These short groups would route tensorwise/rowwise stores to the Triton kernel.
-    calls = ws_spy(monkeypatch, "K_GROUPED_FP8_WS", configs.Fp8WsConfig(128, 6, 8, 232))
+    calls = ws_spy(monkeypatch, "K_GROUPED_FP8_WS", configs.candidates("k_grouped_fp8_ws", "sm90")[0])
     gs = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
     x = outliers(M, 136, 0).to(DEVICE)
     results = []
@@ -596,10 +599,10 @@ def test_k_grouped_fp8_warp_specialized_takes_the_suite(case):
                 M=case.M,
                 accumulate=accumulate,
             )
-            # fp32 dW takes it, except accumulation and tensorwise stores where groups average under 512 tokens.
-            short = case.M < 512 * case.G and (accumulate or recipe == "tensorwise")
+            # fp32 dW takes it, except tensorwise where groups average under 512 tokens; blockwise 128 wide.
+            short = case.M < 512 * case.G and recipe == "tensorwise"
             assert (config is None) == short, (case.name, recipe, accumulate)
-            assert config is None or config.block_n == 128
+            assert config is None or config.block_n == (128 if recipe == "blockwise" else 256)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -201,10 +201,13 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
         (Fp8WsConfig(256, 4, 8, 240), "long K: 128 x 256 halves the L2 bytes per FLOP of 128 x 128"),
         (Fp8WsConfig(128, 6, 8, 232), "short K (<= 2048): less epilogue per tile, deeper ring"),
     ],
-    # The wgrad (TMA loader, TMA store or reduce-add epilogue): 128 x 128, the ring as deep as fits beside two
-    # staging tiles (5 slots with fp32 dW, 6 with bf16); docs/design.md, 'The FP8 wgrad'.
+    # The wgrad (TMA loader, TMA store or reduce-add epilogue), the ring as deep as fits beside two 64 x 128
+    # staging tiles (5 or 3 slots with fp32 dW, 6 or 4 with bf16), dsv3-ep8-fc1 tensorwise TF/s 128 vs 256: bf16
+    # dW 684 vs 841, fp32 599 vs 664, accumulating 419 vs 431; blockwise at 256 spills 1.5-2.4 KB a thread
+    # (505 vs 203 fp32). docs/design.md, 'The FP8 wgrad'.
     ("k_grouped_fp8_ws", "sm90"): [
-        (Fp8WsConfig(128, 6, 8, 232), "128 x 128, TMA loader, TMA-store epilogue under the next tile"),
+        (Fp8WsConfig(128, 6, 8, 240), "128 x 128, TMA loader, TMA-store epilogue under the next tile"),
+        (Fp8WsConfig(256, 4, 8, 240), "128 x 256: a quarter fewer operand bytes per FLOP"),
     ],
     # The warp-specialized wgrad (TMA loader, TMA-store epilogue): 4 slots of 64 rows (192 KB) beside one 32 KB
     # staging tile the consumers take turns on; over 3 slots with a staging tile each, +4.5% geomean on all 19
@@ -333,19 +336,20 @@ def pick_fp8_ws_config(
     docs/design.md, 'Warp-specialized FP8 kernels'), the 128-row tile wasting the partial tiles the Triton
     kernel's tuned 64-row tiles do not.
 
-    k-grouped (out_itemsize, accumulate: the wgrad's output): the 128 x 128 tile (table notes). Where
-    groups average under 512 tokens (one to three 128-token steps a tile) the Triton kernel keeps fp32
-    accumulation and tensorwise fp32 stores, the places it won (qwen3-30b-fc1: 1.39 vs 1.63 ms
-    accumulating, 0.74 vs 0.78 storing; docs/design.md, 'The FP8 wgrad')."""
+    k-grouped (out_itemsize, accumulate: the wgrad's output): 128 x 256 for tensorwise and rowwise, 128 x 128
+    for blockwise, whose two scale vectors a step spill kilobytes at 256 (table notes). Where groups average
+    under 512 tokens (one to three 128-token steps a tile) the Triton kernel keeps tensorwise fp32 outputs, the
+    place it won (qwen3-30b-fc1: 1.39 vs 1.62 ms accumulating, 0.75 vs 0.76 storing; docs/design.md, 'The FP8
+    wgrad')."""
     if device_name:
         hit = load_cache(device_name).get(cache_key(op, dtype, G, N, K, M))
         if hit is not None:
             return Fp8WsConfig(**hit)
     if op == "k_grouped_fp8_ws":
-        short = M < 512 * max(G, 1)
-        if short and out_itemsize == 4 and (accumulate or recipe == "tensorwise"):
+        if M < 512 * max(G, 1) and out_itemsize == 4 and recipe == "tensorwise":
             return None
-        return candidates(op, "sm90")[0]
+        narrow, wide = candidates(op, "sm90")[:2]
+        return narrow if recipe == "blockwise" else wide
     wide, narrow = candidates(op, "sm90")[:2]
     config = wide if K >= 2560 and N > narrow.block_n else narrow
     if recipe != "blockwise" and config is wide and M < 256 * max(G, 1):

@@ -97,7 +97,7 @@ def _k_grouped_fp8_ws(accumulate: bool = True, out: str = "fp32"):
     )  # fmt: skip
     dtype = torch.float32 if out == "fp32" else torch.bfloat16
     pointers = {
-        "out_desc": _desc(torch.empty(16, 16, dtype=dtype), [k_grouped_fp8_ws.BLOCK_K // 2, config.block_n]),
+        "out_desc": _desc(torch.empty(16, 16, dtype=dtype), [k_grouped_fp8_ws.BLOCK_K // 2, k_grouped_fp8_ws.SUB_N]),
         "a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "group_sizes_ptr": "*i32",
         "out_ptr": f"*{out}",
     }  # fmt: skip

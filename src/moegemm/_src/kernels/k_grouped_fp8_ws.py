@@ -74,10 +74,13 @@ from moegemm._src.kernels.schedule import (
     swizzle_tile,
 )
 
-__all__ = ["BLOCK_K", "KGroupedFp8WsLaunch", "TensorDescriptor", "supported", "supported_problem"]
+__all__ = ["BLOCK_K", "SUB_N", "KGroupedFp8WsLaunch", "TensorDescriptor", "supported", "supported_problem"]
 
 BLOCK_K = 128  # out rows per tile: two consumer warpgroups of 64
 BLOCK_R = 128  # tokens a step: one 128-token scale block (blockwise), 128 bytes of a TMA row
+SUB_N = (
+    128  # out columns a wgmma, a staging tile and a TMA store take (out_desc's block); BLOCK_N 256: two parts
+)
 
 
 def supported_problem(has_group_offset: bool, row_stride: int, out_span: int) -> bool:
@@ -163,57 +166,87 @@ def _consumer(
     BLOCK_N: gl.constexpr, BLOCK_R: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_G: gl.constexpr,
     ACCUMULATE: gl.constexpr, SCALING: gl.constexpr, HALF: gl.constexpr,
 ):  # fmt: skip
-    """Rows [HALF * 64, HALF * 64 + 64) of every output tile: per step wgmma -> wait -> release -> promote,
-    then the epilogue (``_epilogue``)."""
+    """Rows [HALF * 64, HALF * 64 + 64) of every output tile: per step and 128-column part, wgmma -> wait ->
+    promote (``_part``), the slot released after the last part's wgmma; then each part's ``_epilogue``. A
+    256-wide tile runs as two parts with their own accumulators: two 64 x 128 fp32 accumulators and one partial
+    fit a warpgroup's registers, a 64 x 256 accumulator and its partial do not."""
     SUB_K: gl.constexpr = BLOCK_K // 2
-    layout: gl.constexpr = wgmma_layout(BLOCK_N, 32)
+    SUB_N: gl.constexpr = c_bufs.shape[2]
+    layout: gl.constexpr = wgmma_layout(SUB_N, 32)
     offs_k = gl.arange(0, SUB_K, layout=gl.SliceLayout(1, layout))
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    offs_n = gl.arange(0, SUB_N, layout=gl.SliceLayout(0, layout))
     offs, rows_g, t_units, block_base = _group_space(group_sizes_ptr, G, M, BLOCK_G, BLOCK_R)
     total_tiles = G * gl.cdiv(K, BLOCK_K) * gl.cdiv(N, BLOCK_N)
-    partial = gl.zeros([SUB_K, BLOCK_N], gl.float32, layout)
+    c_smem = c_bufs.index(HALF)
+    partial = gl.zeros([SUB_K, SUB_N], gl.float32, layout)
     step = 0
     for tile in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
         g, k0, n0 = _locate(tile, K, N, BLOCK_K, BLOCK_N, GROUP_M)
         k0 += HALF * SUB_K
         rows = pick(rows_g, offs, g)
         g_block = pick(block_base, offs, g)
-        k_mask = offs_k < K - k0
-        n_mask = offs_n < N - n0
-        acc = gl.zeros([SUB_K, BLOCK_N], gl.float32, layout)
+        acc0 = gl.zeros([SUB_K, SUB_N], gl.float32, layout)
+        acc1 = gl.zeros([SUB_K, SUB_N], gl.float32, layout)
         for s in range(gl.cdiv(rows, BLOCK_R)):
             slot = wait_slot(ready, step)
             a = a_bufs.index(slot).slice(HALF * SUB_K, SUB_K)
-            b = b_bufs.index(slot).permute((1, 0))
-            token = warpgroup_mma(a, b, partial, use_acc=False, is_async=True)
-            if SCALING == 2:  # this step's scale vectors, read under the wgmma (L2-resident)
-                blk = (g_block + s).to(gl.int64)
-                sa = gl.load(sa_ptr + blk * stride_sag + (k0 + offs_k) * stride_sak, mask=k_mask, other=0.0)
-                sb = gl.load(sb_ptr + blk * stride_sbg + (n0 + offs_n) * stride_sbn, mask=n_mask, other=0.0)
-            partial = warpgroup_mma_wait(0, deps=[token])
-            release_slot(
-                empty, slot
-            )  # the wgmma has read the slot: the loader may refill it under the promotion
-            if SCALING == 2:
-                acc += (partial * sa[:, None]) * sb[None, :]
-            else:
-                acc += partial
+            blk = (g_block + s).to(gl.int64)  # blockwise: this step's 128-token scale block
+            acc0, partial = _part(
+                a, b_bufs.index(slot), partial, acc0, 0, sa_ptr, sb_ptr, blk, k0, n0, K, N, stride_sag, stride_sak,
+                stride_sbg, stride_sbn, offs_k, offs_n, SCALING,
+            )  # fmt: skip
+            if BLOCK_N > SUB_N:
+                acc1, partial = _part(
+                    a, b_bufs.index(slot), partial, acc1, 1, sa_ptr, sb_ptr, blk, k0, n0, K, N, stride_sag,
+                    stride_sak, stride_sbg, stride_sbn, offs_k, offs_n, SCALING,
+                )  # fmt: skip
+            release_slot(empty, slot)
             step += 1
         _epilogue(
-            acc, out_desc, out_ptr, c_bufs.index(HALF), sa_ptr, sb_ptr, g, rows, k0, n0, K, N, stride_sag,
-            stride_sak, stride_sbg, stride_sbn, offs_k, offs_n, k_mask, n_mask, ACCUMULATE, SCALING,
+            acc0, out_desc, out_ptr, c_smem, sa_ptr, sb_ptr, g, rows, k0, n0, K, N, stride_sag, stride_sak,
+            stride_sbg, stride_sbn, offs_k, offs_n, ACCUMULATE, SCALING,
         )  # fmt: skip
+        if BLOCK_N > SUB_N:
+            _epilogue(
+                acc1, out_desc, out_ptr, c_smem, sa_ptr, sb_ptr, g, rows, k0, n0 + SUB_N, K, N, stride_sag,
+                stride_sak, stride_sbg, stride_sbn, offs_k, offs_n, ACCUMULATE, SCALING,
+            )  # fmt: skip
     tma.store_wait(0)
+
+
+@gluon.jit
+def _part(
+    a, b_slot, partial, acc, PART: gl.constexpr, sa_ptr, sb_ptr, blk, k0, n0, K, N, stride_sag, stride_sak,
+    stride_sbg, stride_sbn, offs_k, offs_n, SCALING: gl.constexpr,
+):  # fmt: skip
+    """One step of column part PART: wgmma into ``partial``, then acc += partial (blockwise: times the step's
+    scale vectors sa[blk, k0:k0 + 64] and sb[blk, part's columns], read from global memory under the wgmma;
+    they are L2-resident, and with TMA filling the ring no proxy fence waits on them)."""
+    SUB_N: gl.constexpr = partial.shape[1]
+    b = b_slot.slice(PART * SUB_N, SUB_N).permute((1, 0))
+    token = warpgroup_mma(a, b, partial, use_acc=False, is_async=True)
+    if SCALING == 2:
+        c0 = n0 + PART * SUB_N
+        sa = gl.load(sa_ptr + blk * stride_sag + (k0 + offs_k) * stride_sak, mask=offs_k < K - k0, other=0.0)
+        sb = gl.load(sb_ptr + blk * stride_sbg + (c0 + offs_n) * stride_sbn, mask=offs_n < N - c0, other=0.0)
+    partial = warpgroup_mma_wait(0, deps=[token])
+    if SCALING == 2:
+        acc += (partial * sa[:, None]) * sb[None, :]
+    else:
+        acc += partial
+    return acc, partial
 
 
 @gluon.jit
 def _epilogue(
     acc, out_desc, out_ptr, c_smem, sa_ptr, sb_ptr, g, rows, k0, n0, K, N, stride_sag, stride_sak, stride_sbg,
-    stride_sbn, offs_k, offs_n, k_mask, n_mask, ACCUMULATE: gl.constexpr, SCALING: gl.constexpr,
+    stride_sbn, offs_k, offs_n, ACCUMULATE: gl.constexpr, SCALING: gl.constexpr,
 ):  # fmt: skip
-    """out[g] rows [k0, k0 + 64), columns [n0, n0 + BLOCK_N): tensor/row scales, then the TMA store (or
+    """out[g] rows [k0, k0 + 64), columns [n0, n0 + 128): tensor/row scales, then the TMA store (or
     reduce-add) through this consumer's staging tile, or a masked store from registers for a half tile
     crossing Ka."""
+    k_mask = offs_k < K - k0
+    n_mask = offs_n < N - n0
     g64 = g.to(gl.int64)
     if SCALING == 0:
         acc *= gl.load(sa_ptr + g64 * stride_sag) * gl.load(sb_ptr + g64 * stride_sbg)
@@ -259,7 +292,7 @@ def _store(
 
 @gluon.jit
 def k_grouped_mm_fp8_ws_kernel(
-    out_desc,  # a host TensorDescriptor over out viewed [G * K, N], block [BLOCK_K // 2, BLOCK_N]
+    out_desc,  # a host TensorDescriptor over out viewed [G * K, N], block [BLOCK_K // 2, SUB_N]
     a_ptr,
     b_ptr,
     sa_ptr,
@@ -290,7 +323,8 @@ def k_grouped_mm_fp8_ws_kernel(
     dtype: gl.constexpr = a_ptr.dtype.element_ty
     a_bufs = operand_ring(dtype, NUM_STAGES, BLOCK_K, BLOCK_R)
     b_bufs = operand_ring(dtype, NUM_STAGES, BLOCK_N, BLOCK_R)
-    c_bufs = gl.allocate_shared_memory(out_desc.dtype, [2, BLOCK_K // 2, BLOCK_N], out_desc.layout)
+    STAGING: gl.constexpr = out_desc.block_shape  # [BLOCK_K // 2, SUB_N]
+    c_bufs = gl.allocate_shared_memory(out_desc.dtype, [2, STAGING[0], STAGING[1]], out_desc.layout)
     ready, empty = ring_barriers(NUM_STAGES)
     warp_specialize_ring(
         _loader,
@@ -310,13 +344,13 @@ def k_grouped_mm_fp8_ws_kernel(
 
 def shared_bytes(block_n: int, num_stages: int, out_itemsize: int) -> int:
     """The ring (FP8 a and b tiles a slot) and the consumers' two staging tiles."""
-    return num_stages * BLOCK_R * (BLOCK_K + block_n) + 2 * (BLOCK_K // 2) * block_n * out_itemsize
+    return num_stages * BLOCK_R * (BLOCK_K + block_n) + 2 * (BLOCK_K // 2) * SUB_N * out_itemsize
 
 
 @dataclasses.dataclass(frozen=True)
 class KGroupedFp8WsLaunch:
     """Grid and meta-parameters of one k_grouped_mm_fp8_ws_kernel launch, from static shapes only. The front
-    end builds out's descriptor: [G * K, N] with block [BLOCK_K // 2, BLOCK_N], an NVMMA-swizzled layout."""
+    end builds out's descriptor: [G * K, N] with block [BLOCK_K // 2, SUB_N], an NVMMA-swizzled layout."""
 
     grid: tuple[int]
     meta: dict
@@ -328,9 +362,9 @@ class KGroupedFp8WsLaunch:
     ):  # fmt: skip
         """N, K: out[g]'s columns and rows (b_t's and a_t's rows); config: ``configs.Fp8WsConfig`` (its ring
         depth capped at what fits beside the staging tiles); num_programs_cap: the SM count (one CTA per SM)."""
-        if config.block_n != 128:
+        if config.block_n not in (128, 256):
             raise ValueError(
-                f"k_grouped_fp8_ws: block_n must be 128 (64 x 128 fp32 per consumer), got {config}"
+                f"k_grouped_fp8_ws: block_n must be 128 or 256 (one or two wgmma parts), got {config}"
             )
         stages = config.num_stages
         while stages > 2 and not sm90_shared_fits(shared_bytes(config.block_n, stages, out_itemsize), 1):

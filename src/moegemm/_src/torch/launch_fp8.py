@@ -228,7 +228,7 @@ def launch_k_grouped_fp8(
     )
     if ws_launch is not None:
         _ensure_allocator()  # the loader's descriptors live in Triton's global scratch
-        block = [k_ws.BLOCK_K // 2, ws_launch.meta["BLOCK_N"]]
+        block = [k_ws.BLOCK_K // 2, k_ws.SUB_N]
         layout = _nvmma_layout(*block, _OUT_GL_DTYPES[out.dtype])
         out_desc = k_ws.TensorDescriptor(out.view(G * K, N), [G * K, N], [N, 1], block, layout)
         K_GROUPED_FP8_WS.launch(
