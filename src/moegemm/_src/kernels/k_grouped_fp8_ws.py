@@ -12,7 +12,7 @@ Why warp specialization: as in ``m_grouped_fp8_ws``, a promotion waits for its w
 instruction stream the tensor cores idle through it; two consumer warpgroups each own half of a tile's
 rows, so one's promotion runs under the other's wgmma (docs/design.md, 'Warp-specialized FP8 kernels').
 
-Why TMA at both ends (docs/design.md, 'The FP8 wgrad'): on dsv3-ep8-fc1 a 128 x 128 tile reduces ~1024
+Why TMA at both ends (docs/design.md, 'The FP8 wgrad'): on dsv3-ep8-fc1 a 128-row tile reduces ~1024
 tokens in 8 steps and then writes 64 KB of fp32 dW (3.76 GB a launch, 1.25 ms of HBM). A cp.async loader
 issues 2 x 1024 16-byte copies a step from four warps; stores from registers keep the consumers off
 their wgmma until the tile is written. Here:
@@ -20,10 +20,11 @@ their wgmma until the tile is written. Here:
   col_end] with col_end the group's last token column (the copy engine zero-fills past it, so no step
   adds the next group's tokens), and issues two bulk copies a step into the ring. Descriptors need
   Triton's global scratch (the front end's allocator).
-- ``_consumer``: wgmma -> wait -> release the slot -> promote (blockwise: this step's scale vectors,
-  read from global memory under the wgmma), then the tile's epilogue: the accumulator goes through this
-  consumer's staging tile and leaves by a TMA store (accumulating: a TMA reduce-add into out, which
-  reads nothing back into the SM) over out viewed [G * Ka, Nb], which runs under the next tile's steps.
+- ``_consumer``: per step and 128-column part (a 256-wide tile has two), wgmma -> wait -> promote
+  (blockwise: this step's scale vectors, read from global memory under the wgmma), the slot released after
+  the last part's wgmma; then each part's epilogue: the accumulator goes through this consumer's staging
+  tile and leaves by a TMA store (accumulating: a TMA reduce-add into out, which reads nothing back into
+  the SM) over out viewed [G * Ka, Nb], which runs under the next tile's steps.
   A half tile that would cross into out[g + 1] (Ka not a multiple of 64, the last k tile) is stored
   from registers, masked.
 Every partition walks the same persistent tile sequence (``tile -> (g, k_tile, n_tile)``, a group's

@@ -17,7 +17,8 @@ The ring, its protocol, the partitions and the consumers' K loop are ``gluon_hop
   through descriptors it makes on the device over x [M, K] and w viewed [G * N, K] (Triton's global scratch;
   PyTorch launches only). A tile's rows past its group, or columns past N, are the next group's rows (zeros
   past the tensor): the epilogue's masks drop what they add. A cp.async loader (four warps issuing 16-byte
-  copies) ran the dsv3-ep8-fc1 dgrad at 975 TF/s (docs/design.md, 'The FP8 wgrad' says what TMA changed).
+  copies) ran the dsv3-ep8-fc1 dgrad at 911 TF/s, this one at 967 (docs/design.md, 'Warp-specialized FP8
+  kernels').
 - ``_step``: one K step of a consumer: wgmma, the blockwise scales read from global memory under it (with
   TMA filling the ring no proxy fence waits on those loads), the promotion.
 - ``_epilogue``: tensor/row scales, bias, the masked store straight from the wgmma registers.
