@@ -86,13 +86,15 @@ def _m_grouped_fp8_ws():
     return m_grouped_fp8_ws.m_grouped_mm_fp8_ws_kernel, launch.meta, pointers
 
 
-def _k_grouped_fp8_ws(accumulate: bool = True, out: str = "fp32"):
-    """The FP8 wgrad at dsv3-ep8-fc1's sizes (out [32, 4096, 7168]), blockwise, accumulating into fp32 main_grad
-    (TMA reduce-add) or storing (fp32 or bf16 dW)."""
-    config = configs.candidates("k_grouped_fp8_ws", "sm90")[0]
+def _k_grouped_fp8_ws(accumulate: bool = True, out: str = "fp32", recipe: str = "blockwise"):
+    """The FP8 wgrad at dsv3-ep8-fc1's sizes (out [32, 4096, 7168]) with the tile the pick gives the recipe,
+    accumulating into fp32 main_grad (TMA reduce-add) or storing (fp32 or bf16 dW)."""
     itemsize = 4 if out == "fp32" else 2
+    config = configs.pick_fp8_ws_config(
+        "k_grouped_fp8_ws", recipe=recipe, G=G, N=N, K=K, M=M, out_itemsize=itemsize, accumulate=accumulate
+    )
     launch = k_grouped_fp8_ws.KGroupedFp8WsLaunch.make(
-        M, N, K, G, recipe="blockwise", config=config, num_programs_cap=132, accumulate=accumulate,
+        M, N, K, G, recipe=recipe, config=config, num_programs_cap=132, accumulate=accumulate,
         out_itemsize=itemsize,
     )  # fmt: skip
     dtype = torch.float32 if out == "fp32" else torch.bfloat16
@@ -459,6 +461,8 @@ KERNELS = {
     "k_grouped_fp8_ws": _k_grouped_fp8_ws,
     "k_grouped_fp8_ws-store": lambda: _k_grouped_fp8_ws(False),
     "k_grouped_fp8_ws-bf16": lambda: _k_grouped_fp8_ws(False, "bf16"),
+    "k_grouped_fp8_ws-tensorwise-bf16": lambda: _k_grouped_fp8_ws(False, "bf16", "tensorwise"),
+    "k_grouped_fp8_ws-tensorwise": lambda: _k_grouped_fp8_ws(True, "fp32", "tensorwise"),
 }
 
 
