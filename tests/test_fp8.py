@@ -603,6 +603,19 @@ def test_k_grouped_fp8_warp_specialized_takes_the_suite(case):
             short = case.M < 512 * case.G and recipe == "tensorwise"
             assert (config is None) == short, (case.name, recipe, accumulate)
             assert config is None or config.block_n == (128 if recipe == "blockwise" else 256)
+            # bf16 dW too, but never accumulated into (the Triton kernel sums in fp32 and rounds once).
+            for accumulate_bf16, want in ((False, True), (True, False)):
+                config = configs.pick_fp8_ws_config(
+                    "k_grouped_fp8_ws",
+                    recipe=recipe,
+                    G=case.G,
+                    N=case.K,
+                    K=case.N,
+                    M=case.M,
+                    out_itemsize=2,
+                    accumulate=accumulate_bf16,
+                )
+                assert (config is not None) == want, (case.name, recipe, accumulate_bf16)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -340,13 +340,17 @@ def pick_fp8_ws_config(
     for blockwise, whose two scale vectors a step spill kilobytes at 256 (table notes). Where groups average
     under 512 tokens (one to three 128-token steps a tile) the Triton kernel keeps tensorwise fp32 outputs, the
     place it won (qwen3-30b-fc1: 1.39 vs 1.62 ms accumulating, 0.75 vs 0.76 storing; docs/design.md, 'The FP8
-    wgrad')."""
+    wgrad'), and accumulation into a 2-byte out."""
     if device_name:
         hit = load_cache(device_name).get(cache_key(op, dtype, G, N, K, M))
         if hit is not None:
             return Fp8WsConfig(**hit)
     if op == "k_grouped_fp8_ws":
         if M < 512 * max(G, 1) and out_itemsize == 4 and recipe == "tensorwise":
+            return None
+        if (
+            accumulate and out_itemsize < 4
+        ):  # a TMA reduce-add would round the tile before the sum (design.md)
             return None
         narrow, wide = candidates(op, "sm90")[:2]
         return narrow if recipe == "blockwise" else wide
