@@ -11,6 +11,8 @@ Inputs carry outliers (a few values 100x larger per row and per group), where sc
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -588,34 +590,19 @@ def test_k_grouped_fp8_warp_specialized_takes_the_suite(case):
         pytest.skip("this Triton has no Gluon Hopper API")
     row_stride = fp8.transposed_columns(case.M, case.G)
     assert k_ws.supported_problem(False, row_stride, case.N * case.K), case.name
+    pick = functools.partial(
+        configs.pick_fp8_ws_config, "k_grouped_fp8_ws", G=case.G, N=case.K, K=case.N, M=case.M
+    )
     for recipe in fp8.RECIPES:
         for accumulate in (False, True):
-            config = configs.pick_fp8_ws_config(
-                "k_grouped_fp8_ws",
-                recipe=recipe,
-                G=case.G,
-                N=case.K,
-                K=case.N,
-                M=case.M,
-                accumulate=accumulate,
-            )
+            config = pick(recipe=recipe, accumulate=accumulate)
             # fp32 dW takes it, except tensorwise where groups average under 512 tokens; blockwise 128 wide.
             short = case.M < 512 * case.G and recipe == "tensorwise"
             assert (config is None) == short, (case.name, recipe, accumulate)
             assert config is None or config.block_n == (128 if recipe == "blockwise" else 256)
             # bf16 dW too, but never accumulated into (the Triton kernel sums in fp32 and rounds once).
-            for accumulate_bf16, want in ((False, True), (True, False)):
-                config = configs.pick_fp8_ws_config(
-                    "k_grouped_fp8_ws",
-                    recipe=recipe,
-                    G=case.G,
-                    N=case.K,
-                    K=case.N,
-                    M=case.M,
-                    out_itemsize=2,
-                    accumulate=accumulate_bf16,
-                )
-                assert (config is not None) == want, (case.name, recipe, accumulate_bf16)
+            bf16 = pick(recipe=recipe, accumulate=accumulate, out_itemsize=2)
+            assert (bf16 is not None) == (not accumulate), (case.name, recipe, accumulate)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

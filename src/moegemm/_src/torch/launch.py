@@ -763,7 +763,12 @@ def launch_k_grouped_fused(a, b, group_sizes, out, *, gather_a=None, gather_b=No
         _reduce_splits(dst.view(split, G * K, N), out, K, so)
 
 
-_GL_DTYPES = {torch.bfloat16: k_ws.gl.bfloat16, torch.float16: k_ws.gl.float16} if k_ws.supported() else {}
+# Out dtypes of the TMA-store descriptors (the BF16 wgrad's 2-byte out; the FP8 wgrad's fp32 or 2-byte dW).
+_GL_DTYPES = (
+    {torch.bfloat16: k_ws.gl.bfloat16, torch.float16: k_ws.gl.float16, torch.float32: k_ws.gl.float32}
+    if k_ws.supported()
+    else {}
+)
 
 
 @functools.cache

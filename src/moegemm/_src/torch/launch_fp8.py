@@ -18,6 +18,7 @@ from moegemm._src.kernels import quantize_fp8 as qk
 from moegemm._src.kernels.k_grouped_fp8 import k_grouped_mm_fp8_kernel
 from moegemm._src.kernels.m_grouped_fp8 import m_grouped_mm_fp8_kernel
 from moegemm._src.torch.launch import (
+    _GL_DTYPES,
     CAPABILITIES,
     INTERPRET,
     DirectLaunch,
@@ -164,13 +165,6 @@ def _k_ws_launch(
     return chosen if chosen.kernel == "k_grouped_fp8_ws" else None
 
 
-_OUT_GL_DTYPES = (
-    {torch.float32: k_ws.gl.float32, torch.bfloat16: k_ws.gl.bfloat16, torch.float16: k_ws.gl.float16}
-    if k_ws.supported()
-    else {}
-)
-
-
 @functools.lru_cache(maxsize=64)
 def _quantize_config(device: torch.device) -> tuple[configs.QuantizeConfig, int]:
     target = _target(device)
@@ -229,7 +223,7 @@ def launch_k_grouped_fp8(
     if ws_launch is not None:
         _ensure_allocator()  # the loader's descriptors live in Triton's global scratch
         block = [k_ws.BLOCK_K // 2, k_ws.SUB_N]
-        layout = _nvmma_layout(*block, _OUT_GL_DTYPES[out.dtype])
+        layout = _nvmma_layout(*block, _GL_DTYPES[out.dtype])
         out_desc = k_ws.TensorDescriptor(out.view(G * K, N), [G * K, N], [N, 1], block, layout)
         K_GROUPED_FP8_WS.launch(
             (*spec, out.dtype),
