@@ -387,6 +387,120 @@ def test_quantize_tile_shape_is_the_launch_tile(scaling, write_q):
             assert shape == ((config.q_rows, 128) if write_q else (128, config.t_cols))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+@pytest.mark.parametrize(
+    "shape,sizes",
+    [
+        ((700, 208), [300, 0, 150, 21]),  # tail rows, an empty group, K not a multiple of 128
+        ((1030, 7168), list(shapes.group_sizes(1000, 8, seed=3, empty=2))),
+        ((640, 512), [0, 0, 640, 0]),  # one hot expert
+        ((256, 48), [0, 0]),  # every group empty
+        ((333, 1040), None),  # one group over all rows
+        ((3, 200, 336), None),  # a weight [G, N, K]
+        ((300, 200), [100, 0, 150]),  # K not a multiple of 16: the two launches
+    ],
+    ids=[
+        "skew-empty-tail",
+        "k7168-dirichlet",
+        "one-hot",
+        "all-empty",
+        "ungrouped",
+        "weight",
+        "k200-unaligned",
+    ],
+)
+def test_quantize_pair_writes_the_twins_bytes(shape, sizes, recipe, dtype, x_dtype, monkeypatch):
+    """The one-read pair kernel (data and data_t from one read of x) writes the twin's bytes: data, scale, the
+    transposed copy through each group's 16-aligned end and scale_t, into storage poisoned with 0x7f (NaN in
+    e4m3). Runs where the plan takes it (a checked ptxas); a spy makes sure it ran where x's rows are 16-element
+    aligned, and not elsewhere."""
+    from moegemm._src import plan
+    from moegemm._src.torch import launch_fp8 as _launch_fp8
+    from moegemm._src.torch import ops as _ops
+
+    if not _launch_fp8._quantize_pair(recipe, True, torch.device(DEVICE)):
+        pytest.skip(f"the plan keeps two launches here (ptxas {_launch_fp8._ptxas_release()!r} not checked)")
+    calls, launch = [], _launch_fp8.QUANTIZE_PAIR.launch
+    monkeypatch.setattr(_launch_fp8.QUANTIZE_PAIR, "launch", lambda *a: (calls.append(a[0]), launch(*a)))
+    gen = torch.Generator().manual_seed(len(shape) + shape[-1])
+    x = torch.randn(shape, generator=gen) * 3
+    x.view(-1)[:: max(1, x.numel() // 300)] *= 100  # outliers
+    if x.dim() == 2:
+        x[5] = 0.0  # a zero row: its scales are 1
+        x[7] *= 1e-30  # a tiny amax
+        x[9] *= 1e-38  # a subnormal scale: the reciprocal is capped, not inf
+    x = x.to(x_dtype)
+    G = len(sizes) if sizes is not None else (shape[0] if x.dim() == 3 else 1)
+    gs = None if sizes is None else torch.tensor(sizes, dtype=torch.int32)
+    want = _ops.quantize(x, gs, recipe, dtype, True, G, "reference")
+    torch.full((256 << 20,), 0x7F, dtype=torch.uint8, device=DEVICE)  # freed at once: poisoned storage
+    got = _ops.quantize(x.to(DEVICE), None if gs is None else gs.to(DEVICE), recipe, dtype, True, G, "triton")
+    assert bool(calls) == (shape[-1] % 16 == 0), "the pair kernel runs where x's rows are aligned"
+    with plan.constrained(plan.Constraints(quantize_pair=False)):
+        two = _ops.quantize(
+            x.to(DEVICE), None if gs is None else gs.to(DEVICE), recipe, dtype, True, G, "triton"
+        )
+    _launch_fp8.clear_launch_cache()
+    if x.dim() == 3:
+        Gw, N, K = shape
+        cols = N
+        data_cols, blocks = K, None
+    else:
+        M, K = shape
+        cols = sum(fp8.cdiv(n, 16) * 16 for n in (sizes or [M]))
+        data_cols = K
+        blocks = sum(fp8.cdiv(n, 128) for n in (sizes or [M]))
+    for name, a, b, c in zip(("data", "scale", "data_t", "scale_t"), got, want, two):
+        if name == "data":
+            a, b, c = (t[..., :data_cols] for t in (a, b, c))
+        elif name == "data_t":
+            a, b, c = (t[..., :cols] for t in (a, b, c))
+        elif name == "scale_t" and blocks is not None and recipe == "blockwise":
+            a, b, c = (t[:blocks] for t in (a, b, c))
+        assert torch.equal(as_bytes(a), as_bytes(b)), f"{name} differs from the twin"
+        assert torch.equal(as_bytes(a), as_bytes(c)), f"{name} differs from the two launches"
+
+
+def test_quantize_pair_plan(monkeypatch):
+    """The pair kernel runs only for tensorwise and blockwise with both copies, on sm90 with Gluon, compiled by
+    a checked ptxas; the constraint turns it off."""
+    from moegemm._src import plan
+
+    monkeypatch.setattr(plan, "PAIR_QUANTIZE_PTXAS", frozenset({"99.9"}))
+    sm90, caps = plan.Target("sm90", "H100", 132), plan.Capabilities(gluon=True)
+    for release in ("99.9",):
+        for recipe in RECIPES:
+            assert plan.quantize_pair(recipe, True, True, sm90, caps, release) == (recipe != "rowwise")
+            assert not plan.quantize_pair(recipe, False, True, sm90, caps, release), "no transposed copy"
+            assert not plan.quantize_pair(recipe, True, False, sm90, caps, release), "data_t alone"
+            assert not plan.quantize_pair(recipe, True, True, sm90, plan.JAX, release), "no Gluon"
+            assert not plan.quantize_pair(recipe, True, True, plan.INTERPRET, caps, release)
+        with plan.constrained(plan.Constraints(quantize_pair=False)):
+            assert not plan.quantize_pair("blockwise", True, True, sm90, caps, release)
+    assert not plan.quantize_pair("blockwise", True, True, sm90, caps, "12.0"), "an unchecked ptxas"
+
+
+@pytest.mark.parametrize("R, C, G", [(300, 40, 6), (32768, 7168, 32), (8192, 512, 256), (5, 4096, 1)])
+def test_quantize_pair_geometry_covers_every_tile(R, C, G):
+    """The pair grid holds every 128-row tile of any group sizes and every 128-column tile."""
+    from moegemm._src import configs
+    from moegemm._src.kernels import quantize_fp8 as qk
+
+    config, sms = configs.QuantizeConfig(), 132
+    chunks, grid = qk.pair_geometry(R, C, G, config, sms)
+    rng = np.random.default_rng(R + G)
+    for _ in range(50):
+        sizes = rng.multinomial(int(rng.integers(0, R + 1)), rng.dirichlet(np.ones(G) * 0.3))
+        row_tiles = sum(fp8.cdiv(int(s), 128) for s in sizes) + fp8.cdiv(R - int(sizes.sum()), 128)
+        assert row_tiles <= grid[0]
+    col_tiles = fp8.cdiv(C, 128)
+    assert grid[1] * chunks >= col_tiles > (grid[1] - 1) * chunks
+    assert chunks == config.pair_chunks or chunks == 1 or grid[0] * grid[1] >= 4 * sms
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 class TestGemm(GemmTest):
     @pytest.fixture(autouse=True)

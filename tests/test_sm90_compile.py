@@ -43,6 +43,9 @@ def test_kernels_compile_for_sm90(tmp_path):
         assert (elementwise or r["shared"] > 0) and r["shared"] <= SM90_MAX_SHARED, (name, r)
         # A config's CTAs per SM all fit (the TMA-store candidates' estimate is checked here).
         assert r["ctas_per_sm"] * (r["shared"] + 1024) <= SM90_SHARED_PER_SM, (name, r)
+        if name.startswith("quantize-pair"):
+            # The one-read quantize reads x in 16-byte copies and holds its tile without spilling.
+            assert r["loads"].get("cp.async-16") and not r["spill_bytes"], (name, r)
         if name.startswith("moe-"):
             # The expert block's epilogues hold z, the activation and the gradients beside the accumulator: a
             # tile too wide for them spills kilobytes (docs/design.md, 'Fused expert block').

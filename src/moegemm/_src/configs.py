@@ -85,6 +85,7 @@ class QuantizeConfig:
     tall), a weight's 128x128 block is its own tile; a program takes up to q_chunks (t_chunks) column
     tiles of one row tile, fewer where that leaves under 16 programs per SM; num_stages is the
     column loop's tl.range stages.
+    The one-read pair kernel: pair_warps, pair_stages, pair_chunks (below).
     Rowwise sweeps: rows per program and columns per step (data); columns per program and rows per
     step (transposed copy); sweep_stages the same for the sweeps. With C and the strides 16-divisible
     (every real launch) Triton 3.6 pipelines these loops with cp.async (docs/design.md, 'Quantize')."""
@@ -101,6 +102,11 @@ class QuantizeConfig:
     col_block: int = 32
     col_rows: int = 64
     sweep_stages: int = 1
+    # The one-read kernel (quantize_fp8.fp8_quantize_pair_kernel): warps holding a 128 x 128 tile (8 or 16),
+    # tiles in its cp.async ring, 128-column tiles per program (quantize_fp8.pair_geometry).
+    pair_warps: int = 16
+    pair_stages: int = 2
+    pair_chunks: int = 8
 
 
 M, K = MGroupedConfig, KGroupedConfig

@@ -3,7 +3,9 @@
 A quantized tensor is ``data`` (float8) and ``scale`` (float32), with ``x ~= data * scale`` (the
 dequantization factor, as ``torch._scaled_mm`` and DeepGEMM take it), and optionally a transposed
 copy ``data_t`` with its own ``scale_t`` for the GEMM that contracts over the other dimension.
-``scale = amax / FP8_MAX`` over the scaling block (current scaling); a block of zeros gets scale 1.
+``scale = amax / FP8_MAX`` over the scaling block (current scaling); a block of zeros gets scale 1;
+``data = cast(clamp(x * inv))`` with ``inv = min(1 / scale, FLT_MAX)`` rounded once per block (a multiply an
+element, where dividing by the scale cost a division: docs/design.md, 'Quantize').
 
 Activations x [M, K], rows split into G groups by ``group_sizes`` (G = 1 without them); rows past
 sum(group_sizes) quantize to 0. ``data`` [M, K] feeds fprop/dgrad. ``data_t`` [K, M_t] feeds the

@@ -221,6 +221,7 @@ class Constraints:
     flat: bool | None = None  # the m-grouped flat loop
     ws_wgrad: bool | None = None  # the warp-specialized BF16/FP16 wgrad
     fp8_ws: bool | None = None  # the warp-specialized FP8 kernels
+    quantize_pair: bool | None = None  # the one-read FP8 quantize (data and data_t from one read of x)
     stage_rows: bool | None = None  # copy operands whose rows are not 16-byte aligned into padded ones
     split_k: bool | int | None = None  # the split reduction (both ops); an int > 1 forces that many slices
     # The expert block's wgrads read x's and dy's rows by token index in the kernel (True) or from gathered
@@ -704,6 +705,29 @@ def stage_rows(
 def quantize_config(target: Target) -> configs.QuantizeConfig:
     """The FP8 quantize kernels' config on ``target``."""
     return configs.pick_config("quantize_fp8", target.name)
+
+
+# ptxas releases whose build of quantize_fp8.fp8_quantize_pair_kernel wrote the twin's bytes on the H100, on
+# every case of the byte check (docs/design.md, 'Quantize'). Another release may miscompile a kernel that
+# stores FP8 values in two orders, silently (https://github.com/triton-lang/triton/issues/11111: ptxas before
+# 13.3 corrupts the transposed 1-byte store), so it gets the two launches.
+PAIR_QUANTIZE_PTXAS: frozenset[str] = frozenset({"12.8", "13.0", "13.4"})  # triton 3.6's, CUDA 13.0's, 3.9's
+
+
+def quantize_pair(
+    recipe: str, transpose: bool, data: bool, target: Target, caps: Capabilities, ptxas: str
+) -> bool:
+    """Whether a quantize launch writes data and data_t with the one-read pair kernel (else a launch for each,
+    each reading x): tensorwise and blockwise with both copies wanted, on sm90 through Gluon, compiled by a
+    ptxas release in PAIR_QUANTIZE_PTXAS (``ptxas``: its 'X.Y'). ``Constraints.quantize_pair`` False turns it
+    off, True keeps it where it applies (the ptxas check included)."""
+    if (
+        _active.quantize_pair is False
+        or not (transpose and data)
+        or recipe not in ("tensorwise", "blockwise")
+    ):
+        return False
+    return target.name == "sm90" and caps.gluon and ptxas in PAIR_QUANTIZE_PTXAS
 
 
 # ---------------------------------------------------------------- per-call gate

@@ -221,9 +221,9 @@ def quantize_fp8(
 
     One scale per block of the recipe (``moegemm._src.fp8``: tensorwise, rowwise, blockwise),
     ``scale = amax / max(dtype)`` (current scaling; an all-zero block gets scale 1), data =
-    round-to-nearest-even(x / scale). ``transpose`` also writes the transposed copy the other GEMM
-    needs (wgrad for activations, dgrad for a weight). Tensorwise activations get one scale per group
-    when ``group_sizes`` is given. Not differentiable: for training use
+    round-to-nearest-even(x * (1 / scale)), the reciprocal rounded once per scale. ``transpose`` also
+    writes the transposed copy the other GEMM needs (wgrad for activations, dgrad for a weight).
+    Tensorwise activations get one scale per group when ``group_sizes`` is given. Not differentiable: for training use
     ``ragged_dot(..., fp8_recipe=...)``, which quantizes inside and differentiates straight through.
     """
     fp8.check_recipe(recipe)

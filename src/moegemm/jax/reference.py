@@ -12,7 +12,8 @@ which is fine for an oracle and CPU fallback.
 
 FP8 (private helpers below the public twins): the quantize twins reproduce the torch twin (and so
 the kernels) bit for bit -- the same fp32 amax, ``scale = amax / FP8_MAX`` as a correctly rounded
-fp32 division (1 where amax is 0), and ``clip(x / scale, -max, max)`` cast round-to-nearest-even.
+fp32 division (1 where amax is 0), and ``clip(x * (1 / scale), -max, max)`` cast round-to-nearest-even
+(the reciprocal correctly rounded once per scale, capped at the largest finite fp32).
 group_sizes may be a traced int32 array under ``jax.jit`` (static shapes only; the groups become
 masks, segment reductions, gathers and scatters).
 
@@ -191,9 +192,14 @@ def _scale_of(amax: jax.Array, dtype: DTypeLike) -> jax.Array:
 
 
 def _cast(x: jax.Array, scale: jax.Array, dtype: DTypeLike) -> jax.Array:
-    """x, scale (broadcastable to x) -> clip(x / scale, -max, max) in ``dtype``, round-to-nearest-even."""
+    """x, scale (broadcastable to x) -> clip(x * inv, -max, max) in ``dtype``, round-to-nearest-even, where
+    inv = min(1 / scale, the largest finite fp32), correctly rounded (the kernels' multiplier)."""
     m = _fp8_max(dtype)
-    return jnp.clip(_divide(x.astype(jnp.float32), scale), -m, m).astype(dtype)
+    scale = jnp.asarray(scale, jnp.float32)
+    inv = jnp.minimum(_divide(jnp.ones_like(scale), scale), jnp.finfo(jnp.float32).max)
+    # The barrier keeps XLA from folding x * (1 / scale) back into a division.
+    inv = jnp.broadcast_to(jax.lax.optimization_barrier(inv), x.shape)
+    return jnp.clip(x.astype(jnp.float32) * inv, -m, m).astype(dtype)
 
 
 # ---------------------------------------------------------------- group geometry (traced sizes)

@@ -37,6 +37,7 @@ from moegemm._src.kernels import (
     m_grouped,
     m_grouped_fp8,
     m_grouped_fp8_ws,
+    quantize_fp8,
     split_k,
     stage_rows,
 )
@@ -104,6 +105,30 @@ def _k_grouped_fp8_ws(accumulate: bool = True, out: str = "fp32", recipe: str = 
         "out_ptr": f"*{out}",
     }  # fmt: skip
     return k_grouped_fp8_ws.k_grouped_mm_fp8_ws_kernel, launch.meta, pointers
+
+
+def _quantize_pair(scaling: int = 1, warps: int = 16, x: str = "bf16", weight: bool = False):
+    """The one-read FP8 quantize (data and data_t) of activations with device-side group sizes (a weight's
+    128x128 blocks with ``weight``), at the sm90 config's ring depth."""
+    config = configs.pick_config("quantize_fp8", "sm90")
+    meta = dict(
+        CHUNKS=config.pair_chunks, BLOCK_G=64, HAS_SIZES=not weight, NUM_STAGES=config.pair_stages,
+        SCALING=scaling, T_GROUP_LOCAL=weight, FP8_MAX=448.0, WIDE_OFFSETS=False, num_warps=warps,
+    )  # fmt: skip
+    pointers = {
+        "x_ptr": f"*{x}", "group_sizes_ptr": "*i32", "amax_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+        "qt_ptr": "*u8", "st_ptr": "*fp32",
+    }  # fmt: skip
+    R, C, G_ = (G * N, K, G) if weight else (M, K, G)
+    values = dict(
+        R=R, C=C, G=G_, rows_per_group=N if weight else R, stride_xr=C, stride_xc=1, stride_qr=C + 16,
+        stride_qc=1, stride_tg=K * N if weight else 0, stride_tc=N if weight else M + 16 * G, stride_tr=1,
+        stride_sg=0 if weight else 1, stride_sr=0 if weight else 1, stride_sc=R, stride_stb=C, stride_stc=1,
+    )  # fmt: skip
+    if weight:
+        nb, kb = N // 128, K // 128
+        values.update(stride_sg=nb * kb, stride_sr=kb, stride_sc=1, stride_stb=0, stride_stc=0)
+    return quantize_fp8.fp8_quantize_pair_kernel, meta, pointers, values
 
 
 def _m_args(
@@ -463,6 +488,13 @@ KERNELS = {
     "k_grouped_fp8_ws-bf16": lambda: _k_grouped_fp8_ws(False, "bf16"),
     "k_grouped_fp8_ws-tensorwise-bf16": lambda: _k_grouped_fp8_ws(False, "bf16", "tensorwise"),
     "k_grouped_fp8_ws-tensorwise": lambda: _k_grouped_fp8_ws(True, "fp32", "tensorwise"),
+    # The one-read quantize: blockwise and tensorwise activations at both warp counts, an fp32 input, a weight.
+    "quantize-pair-blockwise": _quantize_pair,
+    "quantize-pair-blockwise-8-warps": lambda: _quantize_pair(warps=8),
+    "quantize-pair-tensorwise": lambda: _quantize_pair(0),
+    "quantize-pair-tensorwise-8-warps": lambda: _quantize_pair(0, 8),
+    "quantize-pair-blockwise-fp32": lambda: _quantize_pair(x="fp32"),
+    "quantize-pair-weight-blockwise": lambda: _quantize_pair(2, weight=True),
 }
 
 
@@ -484,10 +516,10 @@ def compile_source(fn, meta: dict, pointers: dict, values: dict | None = None):
     """A Triton or Gluon kernel compiled for sm_90a (the CompiledKernel: metadata, asm["ptx"/"cubin"/...]).
     ``pointers`` gives pointer and descriptor types, ``meta`` the launch's meta-parameters; for Triton kernels
     ``values`` the other arguments, specialized as a launch would (constexpr parameters take the value, an
-    int equal to 1 becomes the constant, one divisible by 16 gets that fact). Gluon entries give no values:
-    their ints are i32 with the 16-divisibility of a suite shape, except M (any count)."""
+    int equal to 1 becomes the constant, one divisible by 16 gets that fact). Entries without values (the
+    GEMM Gluon kernels) get ints as i32 with the 16-divisibility of a suite shape, except M (any count)."""
     from triton.compiler import ASTSource
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
     signature, constexprs, attrs = {}, {}, {}
     for i, param in enumerate(fn.params):
@@ -510,7 +542,9 @@ def compile_source(fn, meta: dict, pointers: dict, values: dict | None = None):
             if values[param.name] % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     options = {k: meta[k] for k in ("num_warps", "num_stages", "maxnreg") if k in meta}
-    source = (ASTSource if values is not None else GluonASTSource)(fn, signature, constexprs, attrs)
+    source = (GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource)(
+        fn, signature, constexprs, attrs
+    )
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -519,8 +553,10 @@ def _spills(ptx: str) -> int | None:
         path = os.path.join(d, "k.ptx")
         with open(path, "w") as f:
             f.write(ptx)
+        from triton.backends.nvidia.compiler import get_ptxas
+
         cmd = [
-            triton.knobs.nvidia.ptxas.path,
+            get_ptxas(90).path,  # triton 3.9 compiles sm_90 with its newer ptxas-blackwell
             "-v",
             "--gpu-name=sm_90a",
             path,

@@ -184,9 +184,9 @@ def quantize_fp8(
     """Quantizes activations x [M, K] (rows grouped by ``group_sizes``) or a weight x [G, N, K].
 
     One scale per block of the recipe, ``scale = amax / max(dtype)`` (current scaling; an all-zero
-    block gets scale 1), data = round-to-nearest-even(x / scale). ``transpose`` also writes the
-    transposed copy the other GEMM needs (wgrad for activations, dgrad for a weight) in the same
-    kernel. No host sync; ``check=True`` (or MOEGEMM_CHECK=1) syncs to refuse inf/NaN inputs and
+    block gets scale 1), data = round-to-nearest-even(x * (1 / scale)), the reciprocal rounded once
+    per scale. ``transpose`` also writes the transposed copy the other GEMM needs (wgrad for
+    activations, dgrad for a weight). No host sync; ``check=True`` (or MOEGEMM_CHECK=1) syncs to refuse inf/NaN inputs and
     bad sizes. Tensorwise activations get one scale per group when ``group_sizes`` is given.
     """
     fp8.check_recipe(recipe)

@@ -238,6 +238,8 @@ def _fp8_forward(
     # Rowwise and blockwise make x's transposed copy (what the backward keeps) after the GEMM, once
     # x's FP8 data is freed, so the two never coexist with y: the forward's peak holds one FP8 copy
     # of x. Tensorwise quantizes both in one call (its copy shares the group scales of one amax pass).
+    # Blockwise stays split though one read could write both: that held x's two FP8 copies and y at once,
+    # +18 MB of peak on dsv3-ep8-fc1 (docs/design.md, 'Quantize').
     split = need_w and recipe != "tensorwise"
     x_data, x_scale, x_t, x_scale_t = _quantize_activation(
         x, group_sizes, settings, torch.float8_e4m3fn, need_w and not split, backend

@@ -19,6 +19,7 @@ from moegemm._src.kernels.schedule import clamped_group_bounds, row_tile_space
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -34,6 +35,8 @@ try:
     # And gl.thread_barrier -> gl.barrier (3.9 has only the latter; both are one CTA-level barrier, which inside
     # a warp_specialize partition syncs that partition's warps).
     thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    # And cp.async_copy_global_to_shared -> cp.async_load (the quantize's cp.async ring).
+    cp_async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
     # And tma.async_copy_shared_to_global -> tma.async_store.
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     # TMA reduce-add of a shared tile into global memory (cp.reduce.async.bulk.tensor .add): triton 3.9 has
@@ -67,6 +70,7 @@ except ImportError as e:  # a Triton without (this version of) Gluon's Hopper AP
     gluon = gl = _NoGluon()
     fence_async_shared = mbarrier = warpgroup_mma = warpgroup_mma_wait = None
     tma = tma_load = tma_store = tma_reduce_add = TensorDescriptor = thread_barrier = None
+    cp = cp_async_load = None
     IMPORT_ERROR = e
 
 __all__ = [
@@ -76,6 +80,8 @@ __all__ = [
     "TensorDescriptor",
     "acquire_slot",
     "acquire_slot_tx",
+    "cp",
+    "cp_async_load",
     "fence_async_shared",
     "gl",
     "gluon",

@@ -1,4 +1,4 @@
-"""FP8 quantize kernels (current scaling): ``data = cast(clamp(x / scale)), scale = amax / FP8_MAX``.
+"""FP8 quantize kernels (current scaling): ``data = cast(clamp(x * (1 / scale))), scale = amax / FP8_MAX``.
 
 The input is a matrix x [R, C] whose rows form groups: activations [M, K] split by device-side
 ``group_sizes`` (HAS_SIZES), or a weight [G, N, K] seen as [G * N, K] with ``rows_per_group`` = N
@@ -6,6 +6,9 @@ The input is a matrix x [R, C] whose rows form groups: activations [M, K] split 
 
 Kernels (each reads x once, except where a scale needs the whole row or group before the first cast):
 
+- ``fp8_quantize_pair_kernel`` (Gluon): data and its transposed copy from one read of x, for tensorwise
+  (after ``fp8_group_amax_kernel``) and blockwise; where the plan admits it (``plan.quantize_pair``: the
+  ptxas that compiles it was checked byte for byte on the H100), else the two tile launches below.
 - ``fp8_quantize_tiles_kernel``: blockwise. Group-aligned row tiles give the 1x128 row scales and
   data (one launch, q_rows x 128 tiles), and the 128x1 column scales and data_t of the transposed copy
   (a second launch, 128 x t_cols tiles: one kernel storing both miscompiles, see the kernel), or the
@@ -24,18 +27,23 @@ import triton
 import triton.language as tl
 
 from moegemm._src.fp8 import SCALE_BLOCK
+from moegemm._src.kernels.gluon_hopper import cp, cp_async_load, gl, gluon
 from moegemm._src.kernels.schedule import (
     aligned_group_offsets,
+    clamped_group_bounds,
     group_row_bounds,
     locate_row_tile,
     pick,
     row_tile_space,
+    uniform_group_bounds,
     uniform_row_bounds,
 )
 
 # Each group's columns in an activation's data_t start at a multiple of this (16 bytes of fp8), so the
 # wgrad kernel's loads along tokens are aligned; moegemm._src.fp8.transposed_columns sizes the storage.
 T_ALIGN = tl.constexpr(16)
+# The pair kernel's tile side: one 1x128 block wide, one group-aligned 128x1 block tall.
+PAIR_BLOCK = tl.constexpr(SCALE_BLOCK)
 
 # SCALING of fp8_quantize_tiles_kernel.
 TENSOR, BLOCK_1X128, BLOCK_128X128 = 0, 1, 2
@@ -83,10 +91,18 @@ def _scale(amax, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
-def _cast(x, scale, FP8_MAX: tl.constexpr, dtype: tl.constexpr, EMULATE_CAST: tl.constexpr):
-    """Round-to-nearest-even cast of x / scale, clamped to the format's range (x / scale may round
-    just past FP8_MAX; float8_e4m3fn has no inf)."""
-    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+def _inv(scale):
+    """The quantization multiplier: 1 / scale correctly rounded, at most the largest finite fp32 (a scale
+    under 2^-128 would give inf, and 0 * inf a NaN). Per block, so an element costs a multiply, not a
+    division (docs/design.md, 'Quantize')."""
+    return tl.minimum(tl.math.div_rn(1.0, scale), 3.4028234663852886e38)
+
+
+@triton.jit
+def _cast(x, inv, FP8_MAX: tl.constexpr, dtype: tl.constexpr, EMULATE_CAST: tl.constexpr):
+    """Round-to-nearest-even cast of x * inv (``_inv`` of the scale), clamped to the format's range (it
+    may round just past FP8_MAX; float8_e4m3fn has no inf)."""
+    q = tl.minimum(tl.maximum(x * inv, -FP8_MAX), FP8_MAX)
     if EMULATE_CAST:
         # The interpreter's float downcast rounds half up and drops the carry into the exponent
         # (1.94 -> 1.0 in e4m3; triton/runtime/interpreter.py, _convert_float), so round to the FP8
@@ -244,7 +260,7 @@ def fp8_quantize_tiles_kernel(
     x_base = x_ptr + row0 * stride_xr + offs_r[:, None] * stride_xr
     if SCALING == 0:
         # Scalar masks are refused by triton 3.9's interpreter: load in bounds, then select.
-        scale = _scale(tl.where(g < G, tl.load(amax_ptr + tl.minimum(g, G - 1)), 0.0), FP8_MAX)
+        inv = _inv(_scale(tl.where(g < G, tl.load(amax_ptr + tl.minimum(g, G - 1)), 0.0), FP8_MAX))
     if WRITE_T:
         # Group g's rows go to its own columns of data_t (group-local for a weight, from a
         # T_ALIGN-aligned offset for activations); rows past the last group have no columns there.
@@ -269,23 +285,23 @@ def fp8_quantize_tiles_kernel(
             other=0.0,
         ).to(tl.float32)
         if SCALING == 0:
-            q = _cast(x, scale, FP8_MAX, dtype, EMULATE_CAST)
+            q = _cast(x, inv, FP8_MAX, dtype, EMULATE_CAST)
         elif SCALING == 1:
             if WRITE_Q:
                 row_scale = _scale(tl.max(tl.abs(x), 1), FP8_MAX)  # [BLOCK_R]: 1x128 along C
-                q = _cast(x, row_scale[:, None], FP8_MAX, dtype, EMULATE_CAST)
+                q = _cast(x, _inv(row_scale)[:, None], FP8_MAX, dtype, EMULATE_CAST)
                 s_ptrs = s_ptr + (row0 + offs_r) * stride_sr + n_tile.to(tl.int64) * stride_sc
                 tl.store(s_ptrs, row_scale, mask=row_mask)
             else:
                 col_scale = _scale(tl.max(tl.abs(x), 0), FP8_MAX)  # [BLOCK_C]: 128x1 along R
-                q = _cast(x, col_scale[None, :], FP8_MAX, dtype, EMULATE_CAST)
+                q = _cast(x, _inv(col_scale)[None, :], FP8_MAX, dtype, EMULATE_CAST)
                 st_ptrs = (
                     st_ptr + (block_base + m_tile).to(tl.int64) * stride_stb + (col0 + offs_c) * stride_stc
                 )
                 tl.store(st_ptrs, col_scale, mask=offs_c < tl.where(g < G, C - col0, 0))
         else:
             block_scale = _scale(tl.max(tl.max(tl.abs(x), 1), 0), FP8_MAX)  # one per 128x128 block
-            q = _cast(x, block_scale, FP8_MAX, dtype, EMULATE_CAST)
+            q = _cast(x, _inv(block_scale), FP8_MAX, dtype, EMULATE_CAST)
             s_off = (
                 g.to(tl.int64) * stride_sg + m_tile.to(tl.int64) * stride_sr + n_tile.to(tl.int64) * stride_sc
             )
@@ -301,6 +317,219 @@ def fp8_quantize_tiles_kernel(
                 qt,
                 mask=col_mask[:, None] & t_row_mask[None, :],
             )
+
+
+def pair_geometry(R: int, C: int, G: int, config, sms: int) -> tuple[int, tuple[int, int]]:
+    """(CHUNKS, grid) of a fp8_quantize_pair_kernel launch over x [R, C] in G groups: a program per
+    (group-aligned 128-row tile, CHUNKS 128-column tiles), CHUNKS the config's pair_chunks halved while
+    that leaves under 4 programs per SM; every row tile any group sizes can produce (each group adds at
+    most one partial tile, plus the tail slot's), the extra programs exit."""
+    row_tiles, col_tiles = triton.cdiv(R, SCALE_BLOCK) + G + 1, triton.cdiv(C, SCALE_BLOCK)
+    chunks = config.pair_chunks
+    while chunks > 1 and row_tiles * triton.cdiv(col_tiles, chunks) < 4 * sms:
+        chunks //= 2
+    return chunks, (row_tiles, triton.cdiv(col_tiles, chunks))
+
+
+@gluon.constexpr_function
+def _pair_layout(num_warps, rows_first):
+    """The 128 x 128 tile of fp8_quantize_pair_kernel: a thread holds 4 rows x 8 columns (twice, 64
+    columns apart, at 8 warps); lanes 4 along columns and 8 along rows, warps along both, so both amax
+    reductions cross warps. ``rows_first`` orders a thread's registers along rows (4 consecutive tokens
+    of a column: one 4-byte store into data_t) instead of columns (8 bytes of a data row); the elements
+    stay in the same threads, so converting between the two orders moves no data."""
+    cols, rows = [[0, 1], [0, 2], [0, 4]], [[1, 0], [2, 0]]
+    if num_warps == 16:
+        extra, warps = [], [[0, 32], [0, 64], [32, 0], [64, 0]]
+    else:
+        extra, warps = [[0, 64]], [[0, 32], [32, 0], [64, 0]]
+    return gl.DistributedLinearLayout(
+        reg_bases=(rows + cols if rows_first else cols + rows) + extra,
+        lane_bases=[[0, 8], [0, 16], [4, 0], [8, 0], [16, 0]],
+        warp_bases=warps,
+        block_bases=[],
+        shape=[SCALE_BLOCK, SCALE_BLOCK],
+    )
+
+
+@gluon.jit
+def _pair_copy(bufs, step, x_base, n_tile, last, offs_c, load_mask, C, stride_xc):
+    """cp.async of column tile ``n_tile`` into ring slot step % NUM_STAGES (masked off past ``last``, so
+    the commit counts stay uniform). Each thread copies the elements it later reads, so no barrier is
+    needed between the copy, the read and the slot's reuse."""
+    col0 = (n_tile * PAIR_BLOCK).to(gl.int64)
+    mask = load_mask[:, None] & (offs_c < gl.where(n_tile < last, C - col0, 0))[None, :]
+    cp_async_load(bufs.index(step % bufs.shape[0]), x_base + (col0 + offs_c[None, :]) * stride_xc, mask=mask)
+    cp.commit_group()
+
+
+@gluon.jit
+def _pair_cast_t(x, inv, t_layout: gl.constexpr, FP8_MAX: gl.constexpr, dtype: gl.constexpr):
+    """data_t's bytes of a tile whose data_t values equal its data values (one multiplier): x's registers
+    reordered along tokens (in place: assert_trivial), then cast, so each conversion packs consecutive tokens.
+    Reordering data's own FP8 bytes instead is what ptxas before 13.3 miscompiles, silently
+    (https://github.com/triton-lang/triton/issues/11111; on the H100 with the bundled 12.8 a third of a
+    tensorwise data_t came out wrong)."""
+    xt = gl.convert_layout(x, t_layout, assert_trivial=True)
+    return _cast(xt, inv, FP8_MAX, dtype, False).to(gl.uint8, bitcast=True)
+
+
+@gluon.jit
+def fp8_quantize_pair_kernel(
+    x_ptr,
+    group_sizes_ptr,
+    amax_ptr,  # TENSOR: the [G] group amax from fp8_group_amax_kernel
+    q_ptr,
+    s_ptr,
+    qt_ptr,  # data_t as uint8
+    st_ptr,
+    R,
+    C,
+    G,
+    rows_per_group,
+    stride_xr,
+    stride_xc,
+    stride_qr,
+    stride_qc,
+    stride_tg,  # as fp8_quantize_tiles_kernel
+    stride_tc,
+    stride_tr,
+    stride_sg,
+    stride_sr,
+    stride_sc,
+    stride_stb,
+    stride_stc,
+    CHUNKS: gl.constexpr,  # 128-wide column tiles per program
+    BLOCK_G: gl.constexpr,
+    HAS_SIZES: gl.constexpr,
+    NUM_STAGES: gl.constexpr,  # tiles in the cp.async ring
+    SCALING: gl.constexpr,
+    T_GROUP_LOCAL: gl.constexpr,
+    FP8_MAX: gl.constexpr,
+    WIDE_OFFSETS: gl.constexpr,
+):
+    """x [R, C] in groups -> data q [R, C] and scale s, and data_t qt and scale_t st, from one read:
+    ``fp8_quantize_tiles_kernel``'s two launches (WRITE_Q, then WRITE_T) in one, byte for byte.
+
+        for each group-aligned 128 x 128 tile t of x:  q[t], qt[t^T] = cast(t * inv), cast(t * inv_t)
+
+    inv and inv_t are the same multiplier (TENSOR: the group's; BLOCK_128X128: the tile's), or the 1x128
+    row scales' and the 128x1 column scales' (BLOCK_1X128). Programs, tail slot and data_t columns as
+    fp8_quantize_tiles_kernel; 8 or 16 warps hold a tile (``_pair_layout``)."""
+    BLOCK: gl.constexpr = PAIR_BLOCK
+    layout: gl.constexpr = _pair_layout(gl.num_warps(), False)
+    t_layout: gl.constexpr = _pair_layout(gl.num_warps(), True)
+    sched: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+
+    row_tile = gl.program_id(0)
+    offs = gl.arange(0, BLOCK_G, layout=sched).to(gl.int64)
+    if HAS_SIZES:
+        starts, ends = clamped_group_bounds(group_sizes_ptr, offs, G, R)
+    else:
+        starts, ends = uniform_group_bounds(offs, G, R, rows_per_group)
+    t_units = aligned_group_offsets(offs, starts, ends, G, T_ALIGN)
+    starts, ends, m_tiles, tile_ends, total = row_tile_space(offs, starts, ends, G, R, 1, BLOCK)
+    if SCALING == 0:
+        # Every group's scale, empty groups included (they have no tiles to write it).
+        if row_tile == 0 and gl.program_id(1) == 0:
+            amax = gl.load(amax_ptr + offs, mask=offs < G, other=0.0)
+            gl.store(s_ptr + offs * stride_sg, _scale(amax, FP8_MAX), mask=offs < G)
+    g, m_tile, _, row0, row_end, block_base = locate_row_tile(
+        row_tile, offs, starts, ends, m_tiles, tile_ends, 1, BLOCK, 1
+    )
+    first = gl.program_id(1) * CHUNKS
+    # Programs past the last row tile run no iteration.
+    last = gl.where(row_tile < total, gl.minimum(first + CHUNKS, gl.cdiv(C, BLOCK)), first)
+    rows = row_end - row0
+    in_group = g < G  # the tail slot (g == G) reads nothing and writes zero rows, no data_t
+
+    offs_r = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
+    offs_c = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, layout))
+    t_r = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, t_layout))
+    t_c = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, t_layout))
+    if WIDE_OFFSETS:
+        offs_r = offs_r.to(gl.int64)
+        offs_c = offs_c.to(gl.int64)
+        t_r = t_r.to(gl.int64)
+        t_c = t_c.to(gl.int64)
+    row_mask = offs_r < rows
+    load_mask = offs_r < gl.where(in_group, rows, 0)
+    x_base = x_ptr + row0 * stride_xr + offs_r[:, None] * stride_xr
+    q_base = q_ptr + row0 * stride_qr + offs_r[:, None] * stride_qr
+    # Group g's rows go to its own columns of data_t (group-local for a weight, from a T_ALIGN-aligned
+    # offset for activations), through the group's 16-aligned end (zeros past the group: x loads as 0
+    # there), which the wgrad's 16-wide loads read.
+    t_col0 = (m_tile * BLOCK).to(gl.int64)
+    if T_GROUP_LOCAL:
+        t_base = qt_ptr + g.to(gl.int64) * stride_tg
+    else:
+        t_base = qt_ptr
+        t_col0 += pick(t_units, offs, g) * T_ALIGN
+    t_base += (t_col0 + t_r[:, None]) * stride_tr
+    t_row_mask = t_r < gl.where(in_group, gl.cdiv(rows, T_ALIGN) * T_ALIGN, 0)
+    if SCALING == 0:
+        inv = _inv(_scale(gl.where(in_group, gl.load(amax_ptr + gl.minimum(g, G - 1)), 0.0), FP8_MAX))
+    elif SCALING == 1:
+        s_base = s_ptr + (row0 + offs_r) * stride_sr
+        st_base = st_ptr + (block_base + m_tile).to(gl.int64) * stride_stb
+    else:
+        s_base = s_ptr + g.to(gl.int64) * stride_sg + m_tile.to(gl.int64) * stride_sr
+
+    bufs = gl.allocate_shared_memory(
+        x_ptr.dtype.element_ty,
+        [NUM_STAGES, BLOCK, BLOCK],
+        gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]),
+    )
+    for i in gl.static_range(NUM_STAGES - 1):  # the ring's first tiles in flight
+        _pair_copy(bufs, i, x_base, first + i, last, offs_c, load_mask, C, stride_xc)
+    for n_tile in range(first, last):
+        step = n_tile - first
+        _pair_copy(
+            bufs,
+            step + NUM_STAGES - 1,
+            x_base,
+            n_tile + NUM_STAGES - 1,
+            last,
+            offs_c,
+            load_mask,
+            C,
+            stride_xc,
+        )
+        cp.wait_group(NUM_STAGES - 1)  # this tile's copies (this thread's own) landed
+        x = bufs.index(step % NUM_STAGES).load(layout).to(gl.float32)
+        col0 = (n_tile * BLOCK).to(gl.int64)
+        col_mask = offs_c < C - col0
+        if SCALING == 0:
+            q = _cast(x, inv, FP8_MAX, dtype, False)
+            qt = _pair_cast_t(x, inv, t_layout, FP8_MAX, dtype)
+        elif SCALING == 1:
+            a = gl.abs(x)
+            row_scale = _scale(gl.max(a, 1), FP8_MAX)  # 1x128 along C
+            col_scale = _scale(gl.max(a, 0), FP8_MAX)  # 128x1 along R (group-aligned)
+            q = _cast(x, _inv(row_scale)[:, None], FP8_MAX, dtype, False)
+            # Other values than data's: the byte reorder below is safe (checked byte for byte, 'Quantize').
+            qt = _cast(x, _inv(col_scale)[None, :], FP8_MAX, dtype, False)
+            qt = gl.convert_layout(qt.to(gl.uint8, bitcast=True), t_layout, assert_trivial=True)
+            gl.store(s_base + n_tile.to(gl.int64) * stride_sc, row_scale, mask=row_mask)
+            gl.store(
+                st_base + (col0 + offs_c) * stride_stc,
+                col_scale,
+                mask=offs_c < gl.where(in_group, C - col0, 0),
+            )
+        else:
+            block_scale = _scale(gl.max(gl.max(gl.abs(x), 1), 0), FP8_MAX)  # one per 128x128 block
+            q = _cast(x, _inv(block_scale), FP8_MAX, dtype, False)
+            qt = _pair_cast_t(x, _inv(block_scale), t_layout, FP8_MAX, dtype)
+            if in_group:
+                gl.store(s_base + n_tile.to(gl.int64) * stride_sc, block_scale)
+        gl.store(q_base + (col0 + offs_c[None, :]) * stride_qc, q, mask=row_mask[:, None] & col_mask[None, :])
+        gl.store(
+            t_base + (col0 + t_c[None, :]) * stride_tc,
+            qt,
+            mask=t_row_mask[:, None] & (t_c < C - col0)[None, :],
+        )
+    cp.wait_group(0)
 
 
 @triton.jit
@@ -344,10 +573,11 @@ def fp8_quantize_rows_kernel(
     scale = _scale(amax, FP8_MAX)
     tl.store(s_ptr + rows * stride_s, scale, mask=row_mask)
     q_base = q_ptr + rows[:, None] * stride_qr
+    inv = _inv(scale)
     for c in tl.range(0, C, BLOCK_C, num_stages=NUM_STAGES):
         col_mask = (offs_c < C - c)[None, :]
         x = tl.load(x_base + (c + offs_c)[None, :] * stride_xc, mask=load_mask[:, None] & col_mask, other=0.0)
-        q = _cast(x.to(tl.float32), scale[:, None], FP8_MAX, q_ptr.dtype.element_ty, EMULATE_CAST)
+        q = _cast(x.to(tl.float32), inv[:, None], FP8_MAX, q_ptr.dtype.element_ty, EMULATE_CAST)
         tl.store(q_base + (c + offs_c)[None, :] * stride_qc, q, mask=row_mask[:, None] & col_mask)
 
 
@@ -409,13 +639,14 @@ def fp8_quantize_cols_kernel(
     t_base += (col0 + offs_c[:, None]) * stride_tc
     # Through the group's 16-aligned end, zeros past it (see fp8_quantize_tiles_kernel).
     t_end = start + tl.cdiv(end - start, T_ALIGN) * T_ALIGN
+    inv = _inv(scale)
     for r in tl.range(start, t_end, BLOCK_R, num_stages=NUM_STAGES):
         x = tl.load(
             x_base + (r + offs_r)[:, None] * stride_xr,
             mask=(offs_r < end - r)[:, None] & col_mask[None, :],
             other=0.0,
         )
-        qt = _cast(x.to(tl.float32), scale[None, :], FP8_MAX, fp8_type, EMULATE_CAST)
+        qt = _cast(x.to(tl.float32), inv[None, :], FP8_MAX, fp8_type, EMULATE_CAST)
         tl.store(
             t_base + (r - start + offs_r)[None, :] * stride_tr,
             tl.trans(qt.to(tl.uint8, bitcast=True)),

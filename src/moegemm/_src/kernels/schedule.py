@@ -121,9 +121,17 @@ def uniform_row_bounds(G, M, rows_per_group, BLOCK_G: tl.constexpr):
     """(offs, starts, ends) of G groups of ``rows_per_group`` consecutive rows each, cut at M: the
     experts of a [G, N, K] weight seen as [G * N, K] rows, or one group over all M rows (G=1)."""
     offs = tl.arange(0, BLOCK_G).to(tl.int64)
+    starts, ends = uniform_group_bounds(offs, G, M, rows_per_group)
+    return offs, starts, ends
+
+
+@triton.jit
+def uniform_group_bounds(offs, G, M, rows_per_group):
+    """(starts, ends) of ``uniform_row_bounds``'s groups in slots ``offs`` (int64; Gluon kernels pass an
+    arange with their layout, as to ``clamped_group_bounds``)."""
     starts = tl.minimum(offs * rows_per_group, M)
     ends = tl.where(offs < G, tl.minimum(starts + rows_per_group, M), starts)
-    return offs, starts, ends
+    return starts, ends
 
 
 @triton.jit

@@ -7,6 +7,7 @@ memoized on static facts, and launches go through ``DirectLaunch`` like the BF16
 from __future__ import annotations
 
 import functools
+import re
 
 import torch
 import triton
@@ -34,6 +35,7 @@ K_GROUPED_FP8 = DirectLaunch(k_grouped_mm_fp8_kernel)
 K_GROUPED_FP8_WS = DirectLaunch(k_ws.k_grouped_mm_fp8_ws_kernel, descriptors=True)
 GROUP_AMAX = DirectLaunch(qk.fp8_group_amax_kernel)
 QUANTIZE_TILES = DirectLaunch(qk.fp8_quantize_tiles_kernel)
+QUANTIZE_PAIR = DirectLaunch(qk.fp8_quantize_pair_kernel)
 QUANTIZE_ROWS = DirectLaunch(qk.fp8_quantize_rows_kernel)
 QUANTIZE_COLS = DirectLaunch(qk.fp8_quantize_cols_kernel)
 LAUNCHES = (
@@ -43,6 +45,7 @@ LAUNCHES = (
     K_GROUPED_FP8_WS,
     GROUP_AMAX,
     QUANTIZE_TILES,
+    QUANTIZE_PAIR,
     QUANTIZE_ROWS,
     QUANTIZE_COLS,
 )
@@ -54,6 +57,7 @@ def clear_launch_cache() -> None:
     _k_launch.cache_clear()
     _k_ws_launch.cache_clear()
     _quantize_config.cache_clear()
+    _quantize_pair.cache_clear()
     for launch in LAUNCHES:
         launch.clear()
 
@@ -169,6 +173,23 @@ def _k_ws_launch(
 def _quantize_config(device: torch.device) -> tuple[configs.QuantizeConfig, int]:
     target = _target(device)
     return plan.quantize_config(target), target.programs
+
+
+@functools.lru_cache(maxsize=64)
+def _quantize_pair(recipe: str, transpose: bool, device: torch.device) -> bool:
+    """plan.quantize_pair for a launch that writes data (and data_t when ``transpose``) on ``device``."""
+    target = _target(device)
+    ptxas = _ptxas_release() if target.name == "sm90" and CAPABILITIES.gluon else ""
+    return plan.quantize_pair(recipe, transpose, True, target, CAPABILITIES, ptxas)
+
+
+@functools.cache
+def _ptxas_release() -> str:
+    """'X.Y' of the ptxas Triton compiles sm_90 kernels with (TRITON_PTXAS_PATH or the wheel's)."""
+    from triton.backends.nvidia.compiler import get_ptxas_version
+
+    found = re.search(r"release (\d+\.\d+)", get_ptxas_version(90))
+    return found.group(1) if found else ""
 
 
 def launch_m_grouped_fp8(x, sx, w, sw, group_sizes, out, bias, recipe: str, fast_accum: bool) -> None:
@@ -350,6 +371,19 @@ def launch_quantize_fp8(
     else:
         s_strides, st_strides = s.stride(), (0, 0)
     max_stride = max(map(abs, (*x.stride(), *q.stride(), *t_strides)))
+    # The pair kernel's cp.async copies take 16-byte runs of x: its rows and width in multiples of 16 elements.
+    aligned = x.stride(1) == 1 and x.stride(0) % 16 == 0 and C % 16 == 0 and x.data_ptr() % 16 == 0
+    if not t_only and aligned and _quantize_pair(recipe, write_t, x.device):
+        # One read of x for both copies (plan.quantize_pair). Offsets within a tile reach 128 times the largest
+        # stride.
+        wide = 2 * qk.PAIR_BLOCK * max_stride >= 2**31 or x.numel() >= 2**31
+        QUANTIZE_PAIR.launch(
+            ("pair", x.device, R, C, G, has_sizes, scaling, t_local, fp8_max, wide),
+            (x, sizes, amax if scaling == qk.TENSOR else s, q, s, qt8, st),
+            (R, C, G, rows_per_group, *x.stride(), *q.stride(), *t_strides, *s_strides, *st_strides),
+            lambda: _pair_grid(R, C, G, bg, has_sizes, config, sms, scaling, t_local, fp8_max, wide),
+        )
+        return
     # data/scale and the transposed copy come from separate launches (fp8_quantize_tiles_kernel says why).
     for write_q in (False,) if t_only else (True, False) if write_t else (True,):
         # Offsets within a tile reach its widest side times the largest stride.
@@ -377,6 +411,25 @@ def launch_quantize_fp8(
                 WIDE_OFFSETS=wide,
             ),
         )
+
+
+def _pair_grid(R, C, G, block_g, has_sizes, config, sms, scaling, t_local, fp8_max, wide) -> _Grid:
+    """The pair kernel's launch description (``qk.pair_geometry``). Built on a miss only (DirectLaunch)."""
+    chunks, grid = qk.pair_geometry(R, C, G, config, sms)
+    return _Grid(
+        grid,
+        dict(
+            CHUNKS=chunks,
+            BLOCK_G=block_g,
+            HAS_SIZES=has_sizes,
+            NUM_STAGES=config.pair_stages,
+            SCALING=scaling,
+            T_GROUP_LOCAL=t_local,
+            FP8_MAX=fp8_max,
+            WIDE_OFFSETS=wide,
+            num_warps=config.pair_warps,
+        ),
+    )
 
 
 def _tiles_grid(R, C, G, scaling, write_q, block_g, has_sizes, config, sms, **meta) -> _Grid:

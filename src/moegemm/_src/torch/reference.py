@@ -55,9 +55,17 @@ def scale_of(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(amax > 0, amax / torch.full_like(amax, _fp8_max(dtype)), torch.ones_like(amax))
 
 
+def inverse(scale: torch.Tensor) -> torch.Tensor:
+    """The quantization multiplier: 1 / scale correctly rounded, capped at the largest finite fp32 (the
+    kernels' ``_inv``)."""
+    scale = torch.as_tensor(scale, dtype=torch.float32)
+    return (torch.ones_like(scale) / scale).clamp(max=torch.finfo(torch.float32).max)
+
+
 def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """clamp(x * inverse(scale)) in ``dtype``, round-to-nearest-even."""
     m = _fp8_max(dtype)
-    return (x.float() / scale).clamp(-m, m).to(dtype)
+    return (x.float() * inverse(scale)).clamp(-m, m).to(dtype)
 
 
 # ---------------------------------------------------------------- group geometry (no host sync)
