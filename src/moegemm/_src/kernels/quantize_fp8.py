@@ -338,6 +338,8 @@ def _pair_layout(num_warps, rows_first):
     reductions cross warps. ``rows_first`` orders a thread's registers along rows (4 consecutive tokens
     of a column: one 4-byte store into data_t) instead of columns (8 bytes of a data row); the elements
     stay in the same threads, so converting between the two orders moves no data."""
+    if num_warps not in (8, 16):
+        raise ValueError(f"fp8_quantize_pair_kernel holds a tile with 8 or 16 warps, not {num_warps}")
     cols, rows = [[0, 1], [0, 2], [0, 4]], [[1, 0], [2, 0]]
     if num_warps == 16:
         extra, warps = [], [[0, 32], [0, 64], [32, 0], [64, 0]]

@@ -374,9 +374,9 @@ def launch_quantize_fp8(
     # The pair kernel's cp.async copies take 16-byte runs of x: its rows and width in multiples of 16 elements.
     aligned = x.stride(1) == 1 and x.stride(0) % 16 == 0 and C % 16 == 0 and x.data_ptr() % 16 == 0
     if not t_only and aligned and _quantize_pair(recipe, write_t, x.device):
-        # One read of x for both copies (plan.quantize_pair). Offsets within a tile reach 128 times the largest
-        # stride.
-        wide = 2 * qk.PAIR_BLOCK * max_stride >= 2**31 or x.numel() >= 2**31
+        # One read of x for both copies (plan.quantize_pair). Offsets within a tile reach its 128-element side
+        # times the largest stride.
+        wide = 2 * fp8.SCALE_BLOCK * max_stride >= 2**31 or x.numel() >= 2**31
         QUANTIZE_PAIR.launch(
             ("pair", x.device, R, C, G, has_sizes, scaling, t_local, fp8_max, wide),
             (x, sizes, amax if scaling == qk.TENSOR else s, q, s, qt8, st),
