@@ -421,7 +421,7 @@ def test_quantize_pair_writes_the_twins_bytes(shape, sizes, recipe, dtype, x_dty
     from moegemm._src.torch import launch_fp8 as _launch_fp8
     from moegemm._src.torch import ops as _ops
 
-    if not _launch_fp8._quantize_pair(recipe, True, torch.device(DEVICE)):
+    if not _launch_fp8._quantize_pair(recipe, True, True, torch.device(DEVICE)):
         pytest.skip(f"the plan keeps two launches here (ptxas {_launch_fp8._ptxas_release()!r} not checked)")
     calls, launch = [], _launch_fp8.QUANTIZE_PAIR.launch
     monkeypatch.setattr(_launch_fp8.QUANTIZE_PAIR, "launch", lambda *a: (calls.append(a[0]), launch(*a)))
@@ -465,22 +465,25 @@ def test_quantize_pair_writes_the_twins_bytes(shape, sizes, recipe, dtype, x_dty
 
 
 def test_quantize_pair_plan(monkeypatch):
-    """The pair kernel runs only for tensorwise and blockwise with both copies, on sm90 with Gluon, compiled by
-    a checked ptxas; the constraint turns it off."""
+    """The pair kernel runs only for tensorwise and blockwise with both copies of 16-element aligned rows, on
+    sm90 with Gluon, compiled by a checked ptxas; the constraint turns it off."""
     from moegemm._src import plan
 
     monkeypatch.setattr(plan, "PAIR_QUANTIZE_PTXAS", frozenset({"99.9"}))
     sm90, caps = plan.Target("sm90", "H100", 132), plan.Capabilities(gluon=True)
     for release in ("99.9",):
         for recipe in RECIPES:
-            assert plan.quantize_pair(recipe, True, True, sm90, caps, release) == (recipe != "rowwise")
-            assert not plan.quantize_pair(recipe, False, True, sm90, caps, release), "no transposed copy"
-            assert not plan.quantize_pair(recipe, True, False, sm90, caps, release), "data_t alone"
-            assert not plan.quantize_pair(recipe, True, True, sm90, plan.JAX, release), "no Gluon"
-            assert not plan.quantize_pair(recipe, True, True, plan.INTERPRET, caps, release)
+            assert plan.quantize_pair(recipe, True, True, True, sm90, caps, release) == (recipe != "rowwise")
+            assert not plan.quantize_pair(recipe, False, True, True, sm90, caps, release), (
+                "no transposed copy"
+            )
+            assert not plan.quantize_pair(recipe, True, False, True, sm90, caps, release), "data_t alone"
+            assert not plan.quantize_pair(recipe, True, True, False, sm90, caps, release), "rows not aligned"
+            assert not plan.quantize_pair(recipe, True, True, True, sm90, plan.JAX, release), "no Gluon"
+            assert not plan.quantize_pair(recipe, True, True, True, plan.INTERPRET, caps, release)
         with plan.constrained(plan.Constraints(quantize_pair=False)):
-            assert not plan.quantize_pair("blockwise", True, True, sm90, caps, release)
-    assert not plan.quantize_pair("blockwise", True, True, sm90, caps, "12.0"), "an unchecked ptxas"
+            assert not plan.quantize_pair("blockwise", True, True, True, sm90, caps, release)
+    assert not plan.quantize_pair("blockwise", True, True, True, sm90, caps, "12.0"), "an unchecked ptxas"
 
 
 @pytest.mark.parametrize("R, C, G", [(300, 40, 6), (32768, 7168, 32), (8192, 512, 256), (5, 4096, 1)])

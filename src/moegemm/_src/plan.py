@@ -715,17 +715,22 @@ PAIR_QUANTIZE_PTXAS: frozenset[str] = frozenset({"12.8", "13.0", "13.4"})  # tri
 
 
 def quantize_pair(
-    recipe: str, transpose: bool, data: bool, target: Target, caps: Capabilities, ptxas: str
+    recipe: str,
+    transpose: bool,
+    data: bool,
+    rows_aligned: bool,
+    target: Target,
+    caps: Capabilities,
+    ptxas: str,
 ) -> bool:
     """Whether a quantize launch writes data and data_t with the one-read pair kernel (else a launch for each,
-    each reading x): tensorwise and blockwise with both copies wanted, on sm90 through Gluon, compiled by a
-    ptxas release in PAIR_QUANTIZE_PTXAS (``ptxas``: its 'X.Y'). ``Constraints.quantize_pair`` False turns it
-    off, True keeps it where it applies (the ptxas check included)."""
-    if (
-        _active.quantize_pair is False
-        or not (transpose and data)
-        or recipe not in ("tensorwise", "blockwise")
-    ):
+    each reading x): tensorwise and blockwise with both copies wanted, x's rows and width in multiples of 16
+    elements with unit column stride (``rows_aligned``: its cp.async copies are 16 bytes), on sm90 through
+    Gluon, compiled by a ptxas release in PAIR_QUANTIZE_PTXAS (``ptxas``: its 'X.Y'). ``Constraints.
+    quantize_pair`` False turns it off, True keeps it where it applies (the ptxas check included)."""
+    if _active.quantize_pair is False or not (transpose and data and rows_aligned):
+        return False
+    if recipe not in ("tensorwise", "blockwise"):
         return False
     return target.name == "sm90" and caps.gluon and ptxas in PAIR_QUANTIZE_PTXAS
 

@@ -176,11 +176,11 @@ def _quantize_config(device: torch.device) -> tuple[configs.QuantizeConfig, int]
 
 
 @functools.lru_cache(maxsize=64)
-def _quantize_pair(recipe: str, transpose: bool, device: torch.device) -> bool:
+def _quantize_pair(recipe: str, transpose: bool, rows_aligned: bool, device: torch.device) -> bool:
     """plan.quantize_pair for a launch that writes data (and data_t when ``transpose``) on ``device``."""
     target = _target(device)
     ptxas = _ptxas_release() if target.name == "sm90" and CAPABILITIES.gluon else ""
-    return plan.quantize_pair(recipe, transpose, True, target, CAPABILITIES, ptxas)
+    return plan.quantize_pair(recipe, transpose, True, rows_aligned, target, CAPABILITIES, ptxas)
 
 
 @functools.cache
@@ -371,9 +371,8 @@ def launch_quantize_fp8(
     else:
         s_strides, st_strides = s.stride(), (0, 0)
     max_stride = max(map(abs, (*x.stride(), *q.stride(), *t_strides)))
-    # The pair kernel's cp.async copies take 16-byte runs of x: its rows and width in multiples of 16 elements.
     aligned = x.stride(1) == 1 and x.stride(0) % 16 == 0 and C % 16 == 0 and x.data_ptr() % 16 == 0
-    if not t_only and aligned and _quantize_pair(recipe, write_t, x.device):
+    if not t_only and _quantize_pair(recipe, write_t, aligned, x.device):
         # One read of x for both copies (plan.quantize_pair). Offsets within a tile reach its 128-element side
         # times the largest stride.
         wide = 2 * fp8.SCALE_BLOCK * max_stride >= 2**31 or x.numel() >= 2**31
