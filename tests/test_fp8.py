@@ -486,6 +486,29 @@ def test_quantize_pair_plan(monkeypatch):
     assert not plan.quantize_pair("blockwise", True, True, True, sm90, caps, "12.0"), "an unchecked ptxas"
 
 
+def test_quantize_pair_reads_the_ptxas_release(monkeypatch):
+    """The release the plan checks is parsed from Triton's ptxas; a ptxas that cannot be asked gives "" (the
+    two launches), not an error in the quantize."""
+    import subprocess
+
+    import triton.backends.nvidia.compiler as nvidia
+
+    from moegemm._src.torch import launch_fp8 as _launch_fp8
+
+    banner = "ptxas: NVIDIA (R) Ptx optimizing assembler\nCuda compilation tools, release 12.8, V12.8.93\n"
+    for reply, want in ((banner, "12.8"), (subprocess.CalledProcessError(1, "ptxas"), ""), ("garbage", "")):
+
+        def version(arch=80, reply=reply):
+            if isinstance(reply, Exception):
+                raise reply
+            return reply
+
+        monkeypatch.setattr(nvidia, "get_ptxas_version", version)
+        _launch_fp8._ptxas_release.cache_clear()
+        assert _launch_fp8._ptxas_release() == want
+    _launch_fp8._ptxas_release.cache_clear()
+
+
 @pytest.mark.parametrize("R, C, G", [(300, 40, 6), (32768, 7168, 32), (8192, 512, 256), (5, 4096, 1)])
 def test_quantize_pair_geometry_covers_every_tile(R, C, G):
     """The pair grid holds every 128-row tile of any group sizes and every 128-column tile."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import re
+import subprocess
 
 import torch
 import triton
@@ -185,10 +186,15 @@ def _quantize_pair(recipe: str, transpose: bool, rows_aligned: bool, device: tor
 
 @functools.cache
 def _ptxas_release() -> str:
-    """'X.Y' of the ptxas Triton compiles sm_90 kernels with (TRITON_PTXAS_PATH or the wheel's)."""
+    """'X.Y' of the ptxas Triton compiles sm_90 kernels with (TRITON_PTXAS_PATH or the wheel's); "" where it
+    cannot be asked (no such binary: the plan then keeps the two launches)."""
     from triton.backends.nvidia.compiler import get_ptxas_version
 
-    found = re.search(r"release (\d+\.\d+)", get_ptxas_version(90))
+    try:
+        version = get_ptxas_version(90)
+    except (OSError, RuntimeError, subprocess.CalledProcessError):
+        return ""
+    found = re.search(r"release (\d+\.\d+)", version)
     return found.group(1) if found else ""
 
 
