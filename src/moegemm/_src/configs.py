@@ -354,9 +354,8 @@ def pick_fp8_ws_config(
     if op == "k_grouped_fp8_ws":
         if M < 512 * max(G, 1) and out_itemsize == 4 and recipe == "tensorwise":
             return None
-        if (
-            accumulate and out_itemsize < 4
-        ):  # a TMA reduce-add would round the tile before the sum (design.md)
+        # A TMA reduce-add into a 2-byte out would round the tile before the sum (docs/design.md, 'The FP8 wgrad').
+        if accumulate and out_itemsize < 4:
             return None
         narrow, wide = candidates(op, "sm90")[:2]
         return narrow if recipe == "blockwise" else wide

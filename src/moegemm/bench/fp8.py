@@ -24,7 +24,6 @@ import dataclasses
 import datetime
 import json
 import platform
-import time
 from pathlib import Path
 
 import torch
@@ -385,7 +384,7 @@ class Fp8Bench:
                 step_produced_input()
                 _, peak_produced = timing.call_with_peak_mb(step_produced_input, self.device)
                 steps[recipe], peaks[recipe] = step, (peak, peak_produced)
-            estimate = sum(self.time_once(fn) for fn in steps.values())
+            estimate = timing.round_ms(steps, self.device)
             cfg = dataclasses.replace(self.cfg, rep_ms=max(self.cfg.rep_ms, 10 * estimate))
             times = timing.paired_ms(steps, self.device, cfg, estimate)
             for recipe, ms in times.items():
@@ -403,18 +402,6 @@ class Fp8Bench:
                 )
             del steps
             torch.cuda.empty_cache()
-
-    def time_once(self, fn) -> float:
-        """ms of one call, synchronized (sizes a paired measurement)."""
-        if self.device.type != "cuda":
-            start = time.perf_counter()
-            fn()
-            return (time.perf_counter() - start) * 1e3
-        torch.cuda.synchronize(self.device)
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize(self.device)
-        return (time.perf_counter() - start) * 1e3
 
 
 def run(

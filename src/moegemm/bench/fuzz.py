@@ -488,12 +488,7 @@ class Fuzz:
         self.events = {}
         if not fns or self.check_only:
             return {}
-        torch.cuda.synchronize(self.device)
-        start = time.perf_counter()
-        for fn in fns.values():
-            fn()
-        torch.cuda.synchronize(self.device)
-        self.events = timing.paired_ms(fns, self.device, self.tcfg, (time.perf_counter() - start) * 1e3)
+        self.events = timing.paired_ms(fns, self.device, self.tcfg, timing.round_ms(fns, self.device))
         return {name: timing.device_ms(fn, self.device) for name, fn in fns.items()}
 
 

@@ -79,6 +79,18 @@ def paired_ms(fns: dict, device: torch.device, cfg: TimingConfig, estimate_ms: f
     return {name: statistics.median(s.elapsed_time(e) for s, e in pairs) for name, pairs in events.items()}
 
 
+def round_ms(fns: dict, device: torch.device) -> float:
+    """ms of one call of each callable in ``fns``, back to back, synchronized before and after: the
+    ``estimate_ms`` that sizes a ``paired_ms`` run."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for fn in fns.values():
+        fn()
+    sync()
+    return (time.perf_counter() - start) * 1e3
+
+
 def _wall_ms(fn, *, reps: int | None, cfg: TimingConfig, sync) -> float:
     """Median wall time; reps=None sizes warm-up and reps from the ms budgets like do_bench."""
     if reps is None:
