@@ -544,6 +544,8 @@ def _plan_fp8(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> Plan
         M=p.M,
     )
     config = _override(c, table, p, t, config)
+    if p.epilogue == "swiglu_bwd" and t.name != "interpret" and config.block_n > SWIGLU_BWD_MAX_BLOCK_N:
+        config = _override(c, table, p, t, dataclasses.replace(config, block_n=SWIGLU_BWD_MAX_BLOCK_N))
     common = dict(
         recipe=p.recipe,
         config=config,
@@ -554,7 +556,9 @@ def _plan_fp8(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> Plan
         g_total=p.g_total,
     )
     if p.op == M_GROUPED:
-        launch = MGroupedFp8Launch.make(p.M, p.N, p.K, p.G, has_bias=p.has_bias, **common)
+        launch = MGroupedFp8Launch.make(
+            p.M, p.N, p.K, p.G, has_bias=p.has_bias, gather="x" in p.gather, epilogue=p.epilogue, **common
+        )
     else:
         launch = KGroupedFp8Launch.make(p.M, p.N, p.K, p.G, accumulate=p.accumulate, **common)
     return Plan(op, Schedule(), config, launch)
@@ -566,7 +570,8 @@ def _plan_fp8_ws(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> P
     with 16-byte aligned row strides), a problem or device the kernel does not take, or a shape
     ``configs.pick_fp8_ws_config`` keeps on the Triton kernel."""
     promoted = p.recipe == "blockwise" or not p.fast_accum
-    if not (c.on("fp8_ws") and promoted and p.ws_layout and _ws_target(t, caps)):
+    # The expert block's gathered rows and epilogues are options of the Triton kernel only (TMA has no row gather).
+    if p.gather or p.epilogue or not (c.on("fp8_ws") and promoted and p.ws_layout and _ws_target(t, caps)):
         return None
     row_stride = max(map(abs, p.row_strides))
     dtype = fp8.config_dtype(p.recipe, p.dtype, p.fast_accum)

@@ -16,6 +16,11 @@ Per shape x routing x implementation, in this order:
   (``timing.device_ms``). TF/s from device time: a forward is 6*T*k*d*n FLOPs, a fwd+bwd three times that, the
   backward alone (step minus forward) twice.
 
+FP8 (``FP8_PEERS``, named with ``--moe-peers``): ``moe_experts(fp8_recipe=)`` per recipe, with the weights' FP8
+copies cached across calls (``Fp8WeightCache``: the micro-batches of gradient accumulation after the first) or
+made in every call ("-quantize-weights"); gated at ``FP8_REL_TOL``; ``fp8_speedup``: the BF16 ``moegemm``
+record's device ms over theirs, same shape and routing.
+
 Implementations are ``(x, ids, weights, w13, w2) -> out`` with autograd (``IMPLS``): moegemm's fused op, the
 unfused composition on moegemm's grouped GEMM and on ``torch._grouped_mm`` (torchtitan's GroupedExperts glue),
 Liger-Kernel's fused MoE with and without its autotune, and SonicMoE's published H100 figures (not run).
@@ -230,6 +235,9 @@ def oracle(inp: Inputs, compute: torch.dtype) -> tuple[torch.Tensor, ...]:
 # row (fc1 output, activation, fc2 output, the weighted rows, and the same in the backward), each adding about
 # 2^-9 / sqrt(3) ~ 1.1e-3 RMS in bf16; a wrong expert, weight or activation gives errors of order 1.
 REL_TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-4}
+# The FP8 block: an output passes four e4m3 roundings (x, w13, h, w2; a gradient as many), each about
+# 2^-4 / sqrt(3) ~ 3.6% RMS, 6-7% together (tests/test_moe_fp8.py); a wrong scale or expert gives order 1.
+FP8_REL_TOL = 1.2e-1
 
 
 # ---------------------------------------------------------------- implementations
@@ -243,6 +251,23 @@ def _moegemm():
     from moegemm.torch import moe_experts
 
     return moe_experts
+
+
+def _moegemm_fp8(recipe: str, cached: bool) -> Callable[[], Callable]:
+    """The FP8 block; ``cached``: the weights' FP8 copies kept across calls (``Fp8WeightCache``: gradient
+    accumulation's micro-batches after the first), else quantized in every call (the first micro-batch)."""
+
+    def load():
+        from moegemm.torch import Fp8WeightCache, moe_experts
+
+        caches = (Fp8WeightCache(), Fp8WeightCache()) if cached else None
+
+        def block(x, ids, weights, w13, w2):
+            return moe_experts(x, ids, weights, w13, w2, fp8_recipe=recipe, fp8_caches=caches)
+
+        return block
+
+    return load
 
 
 def _glue(mm: Callable) -> Callable:
@@ -383,6 +408,7 @@ class MoEImpl:
     load: Callable[[], Callable] | None  # None: not run (published figures)
     env: dict | None = None  # run in a child process with these environment variables
     label: str = ""
+    tol: float | None = None  # the correctness gate's bound (None: REL_TOL of the inputs' dtype)
 
 
 IMPLS = {
@@ -410,8 +436,20 @@ IMPLS = {
             "Liger fused MoE (liger-kernel 0.8.5), autotuned",
         ),
         MoEImpl("sonicmoe-published", None, label="SonicMoE, published H100 figures (not run)"),
+        *(
+            MoEImpl(
+                f"moegemm-fp8-{recipe}" + ("" if cached else "-quantize-weights"),
+                _moegemm_fp8(recipe, cached),
+                label=f"moegemm.torch.moe_experts(fp8_recipe={recipe!r}), the weights' FP8 copies "
+                + ("cached" if cached else "made in every call"),
+                tol=FP8_REL_TOL,
+            )
+            for recipe in ("tensorwise", "rowwise", "blockwise")
+            for cached in (True, False)
+        ),
     )
 }
+FP8_PEERS = tuple(name for name in IMPLS if name.startswith("moegemm-fp8-"))
 DEFAULT_PEERS = ("moegemm", "moegemm-unfused", "torch-grouped-mm", "liger-autotune-off", "sonicmoe-published")
 # On CUDA the JAX op too (on ``JAX_DEFAULT_ROUTINGS``); without CUDA it has only the interpreter (name it).
 DEFAULT_PEERS_CUDA = ("moegemm", "moegemm-jax", *DEFAULT_PEERS[1:])
@@ -533,7 +571,7 @@ def measure(
 
     device = inp.x.device
     rec = _base(shape, routing, impl.name)
-    tol = REL_TOL[inp.x.dtype]
+    tol = REL_TOL[inp.x.dtype] if impl.tol is None else impl.tol
     rec.update(tol=tol, dtype=str(inp.x.dtype).removeprefix("torch."))
     try:
         block = impl.load()
@@ -713,6 +751,21 @@ def add_jax_vs_torch(records: list[dict]) -> None:
         r["jax_vs_torch"] = ratio if any(v is not None for v in ratio.values()) else None
 
 
+def add_fp8_speedup(records: list[dict]) -> None:
+    """Each ok FP8 record gets ``fp8_speedup``: the ``moegemm`` (BF16) record's fwd and step device ms over its own,
+    same shape and routing (the issue's "BF16 time / FP8 time"; None where either is missing)."""
+    bf16 = {(r["shape"], r["routing"]): r for r in records if r["impl"] == "moegemm" and r["status"] == "ok"}
+    for r in records:
+        if r["impl"] not in FP8_PEERS or r["status"] != "ok":
+            continue
+        b = bf16.get((r["shape"], r["routing"]))
+        ratio = {}
+        for op in ("fwd", "step"):
+            f_ms, b_ms = r.get(f"{op}_device_ms"), (b or {}).get(f"{op}_device_ms")
+            ratio[op] = b_ms / f_ms if f_ms and b_ms else None
+        r["fp8_speedup"] = ratio if any(v is not None for v in ratio.values()) else None
+
+
 def run_cases(
     shapes: list[MoEShape],
     routings: list[str],
@@ -869,6 +922,9 @@ def table(records: list[dict], title: str, check_only: bool):
         if r.get("jax_vs_torch"):
             ratio = r["jax_vs_torch"]
             note = f"dev ms / moegemm's: fwd {_fmt(ratio['fwd'], '.3f')}, f+b {_fmt(ratio['step'], '.3f')}"
+        if r.get("fp8_speedup"):
+            ratio = r["fp8_speedup"]
+            note = f"BF16 ms / FP8 ms: fwd {_fmt(ratio['fwd'], '.2f')}x, f+b {_fmt(ratio['step'], '.2f')}x"
         style = {"ok": None, "failed": "bold red", "skipped": "dim", "published": "cyan"}[r["status"]]
         errs = r.get("relerr") or {}
         if check_only:
@@ -1014,6 +1070,7 @@ def main(args, argv, env, device: torch.device, console) -> int:
     }
     records.sort(key=lambda r: (order.get((r["shape"], r["routing"]), 0), peers.index(r["impl"])))
     add_jax_vs_torch(records)
+    add_fp8_speedup(records)
     failed = [
         f"{r['shape']} {r['routing']} {r['impl']}: {r['reason']}" for r in records if r["status"] == "failed"
     ]

@@ -222,7 +222,8 @@ def _unaligned(op: str, K: int, N: int):
         )  # fmt: skip
         pointers = {
             "x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "sx_ptr": "*fp32", "sw_ptr": "*fp32",
-            "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+            "group_sizes_ptr": "*i32", "group_offset_ptr": "*i32", "bias_ptr": "*bf16", "gather_ptr": "*i32",
+            "act_ptr": "*bf16", "row_scale_ptr": "*fp32", "act_out_ptr": "*bf16", "ds_ptr": "*fp32", "out_ptr": "*bf16",
         }  # fmt: skip
         values |= dict(stride_sxg=0, stride_sxm=1, stride_sxk=0, stride_swg=N, stride_swn=1, stride_swk=0)
         return m_grouped_fp8.m_grouped_mm_fp8_kernel, dict(launch.meta), pointers, values
@@ -371,6 +372,45 @@ def _moe(op: str):
     )
 
 
+def _moe_fp8(op: str, recipe: str):
+    """The FP8 expert block's fused launches (docs/design.md, 'FP8 expert block') at DeepSeek-V3 EP8's sizes
+    (R = 65536 rows, d 7168, n 2048, E 32) with the plan the H100 takes: "fc1" (gather, SwiGLU; fast
+    accumulation where the recipe has it) and "fc2-dgrad" (gather, SwiGLU backward, promoted)."""
+    from moegemm._src import fp8, plan
+
+    R, d, n, E = 65536, 7168, 2048, 32
+    target = plan.Target("sm90", "NVIDIA H100 80GB HBM3", 132)
+    caps = plan.Capabilities(host_descriptors=True, global_scratch=True, gluon=True, workspace=True)
+    N, K, epilogue = (2 * n, d, "swiglu") if op == "fc1" else (n, d, "swiglu_bwd")
+    problem = plan.Problem(
+        plan.M_GROUPED, R, N, K, E, "float8_e4m3fn", max_stride=2 * d, recipe=recipe, fast_accum=op == "fc1",
+        gather=("x",), epilogue=epilogue,
+    )  # fmt: skip
+    chosen = plan.plan(problem, target, caps)
+    pointers = {
+        "x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "sx_ptr": "*fp32", "sw_ptr": "*fp32", "group_sizes_ptr": "*i32",
+        "group_offset_ptr": "*i32", "bias_ptr": "*fp32", "gather_ptr": "*i32", "act_ptr": "*bf16",
+        "row_scale_ptr": "*fp32", "act_out_ptr": "*bf16", "ds_ptr": "*fp32", "out_ptr": "*bf16",
+    }  # fmt: skip
+    Kp = fp8.padded(K)
+    if recipe == "tensorwise":
+        scales = dict(stride_sxg=0, stride_sxm=0, stride_sxk=0, stride_swg=1, stride_swn=0, stride_swk=0)
+    elif recipe == "rowwise":
+        scales = dict(stride_sxg=0, stride_sxm=1, stride_sxk=0, stride_swg=N, stride_swn=1, stride_swk=0)
+    else:
+        nb, kb = fp8.cdiv(N, 128), fp8.cdiv(K, 128)
+        scales = dict(
+            stride_sxg=0, stride_sxm=1, stride_sxk=8192, stride_swg=nb * kb, stride_swn=kb, stride_swk=1
+        )
+    out_n = n if op == "fc1" else 2 * n
+    values = dict(
+        M=R, N=N, K=K, G=E, G_TOTAL=E, stride_xm=Kp, stride_xk=1, stride_wg=N * Kp, stride_wn=Kp, stride_wk=1,
+        stride_om=out_n, stride_on=1, stride_bg=0, stride_bn=0, **scales,
+    )  # fmt: skip
+    meta = {**chosen.meta, "ctas_per_sm": chosen.config.ctas_per_sm}
+    return m_grouped_fp8.m_grouped_mm_fp8_kernel, meta, pointers, values
+
+
 # Every candidate that MGroupedLaunch / KGroupedLaunch lets store through TMA: their shared-memory
 # estimates (m_grouped.tma_store_fits, k_grouped.tma_store_fits) must hold for what the compiler allocates.
 _TMA_STORE_CANDIDATES = {
@@ -479,6 +519,11 @@ KERNELS = {
             "fc2-dgrad-ep-tma-w",
             "gather-rows",
         )  # fmt: skip
+    },
+    **{
+        f"moe-fp8-{op}-{recipe}": (lambda op=op, recipe=recipe: _moe_fp8(op, recipe))
+        for op in ("fc1", "fc2-dgrad")
+        for recipe in ("tensorwise", "rowwise", "blockwise")
     },
     "m_grouped_fp8_ws": _m_grouped_fp8_ws,
     "k_grouped_ws": _k_grouped_ws,

@@ -55,7 +55,7 @@ from moegemm._src.torch.args import (
     resolve_backend,
 )
 
-__all__ = ["GroupedLinear"]
+__all__ = ["Fp8WeightCache", "GroupedLinear"]
 
 
 # Megatron/TE convention for fused wgrad accumulation: when the weight has ``grad_added_to_main_grad``,
@@ -84,12 +84,13 @@ class _Fp8Settings:
     fprop_fast_accum: bool = True
 
 
-class _Fp8WeightCache:
-    """The weight's quantized copy, reused while the weight is unchanged.
+class Fp8WeightCache:
+    """A weight's quantized copy (``quantize_weight_views``: e4m3 data, scale and the dgrad copy), reused while
+    the weight is unchanged.
 
-    Valid while ``weight._version`` (bumped by every in-place update: optimizer steps, copy_, zero_)
-    and its storage are those it was made from, so a stale copy is never used. ``refresh`` forces a
-    new one (TE's ``is_first_microbatch=True``); ``reuse`` takes the cached copy without the check
+    Valid while ``weight._version`` (bumped by every in-place update: optimizer steps, copy_, zero_) and its
+    storage are those it was made from, so a stale copy is never used. ``refresh`` forces a new one (TE's
+    ``is_first_microbatch=True``); ``reuse`` takes the cached copy without the check
     (``is_first_microbatch=False``).
     """
 
@@ -97,12 +98,14 @@ class _Fp8WeightCache:
         self.key: tuple | None = None
         self.storage: tuple[torch.Tensor, ...] | None = None
 
-    def get(self, weight: torch.Tensor, settings: _Fp8Settings, backend: str, *, refresh: bool, reuse: bool):
-        key = (weight._version, weight.data_ptr(), weight.device, settings.recipe, backend)
+    def get(
+        self, weight: torch.Tensor, recipe: str, backend: str, *, refresh: bool = False, reuse: bool = False
+    ):
+        key = (weight._version, weight.data_ptr(), weight.device, recipe, backend)
         if reuse and self.storage is not None:
             return self.storage
         if refresh or self.key != key or self.storage is None:
-            self.storage = _quantize_weight(weight, settings, backend)
+            self.storage = _ops.quantize_weight_views(weight, recipe, backend)
             self.key = key
         return self.storage
 
@@ -112,16 +115,7 @@ class _Fp8WeightCache:
 
 def _quantize_weight(weight: torch.Tensor, settings: _Fp8Settings, backend: str):
     """(data, scale, data_t, scale_t) of a [G, N, K] weight in e4m3, as views (see moegemm._src.fp8)."""
-    with torch.no_grad():
-        G, N, K = weight.shape
-        data_s, scale_s, data_t_s, scale_t_s = _ops.quantize(
-            weight.detach(), None, settings.recipe, torch.float8_e4m3fn, True, G, backend
-        )
-    recipe = settings.recipe
-    scale_t = (
-        scale_t_s if recipe == "rowwise" else scale_s if recipe == "tensorwise" else scale_s.transpose(1, 2)
-    )
-    return data_s[..., :K], scale_s, data_t_s[..., :N], scale_t
+    return _ops.quantize_weight_views(weight, settings.recipe, backend)
 
 
 def _quantize_activation(
@@ -129,15 +123,7 @@ def _quantize_activation(
 ):
     """(data, scale, data_t, scale_t) of activations t; data=False (rowwise, blockwise): the
     transposed copy alone, data and scale None."""
-    G = group_sizes.shape[0]
-    data_s, scale_s, data_t_s, scale_t_s = _ops.quantize(
-        t, group_sizes, settings.recipe, dtype, transpose, G, backend, data
-    )
-    scale_t = scale_s if settings.recipe == "tensorwise" else scale_t_s
-    if not data:
-        return None, None, data_t_s, scale_t
-    scale = scale_s.T if settings.recipe == "blockwise" else scale_s
-    return data_s[:, : t.shape[1]], scale, data_t_s, scale_t
+    return _ops.quantize_activation_views(t, group_sizes, settings.recipe, dtype, transpose, backend, data)
 
 
 class _State:
@@ -434,7 +420,7 @@ class GroupedLinear(nn.Module):
             if fp8_grad_dtype not in FP8_DTYPES:
                 raise TypeError(f"fp8_grad_dtype must be float8_e4m3fn or float8_e5m2, got {fp8_grad_dtype}")
             self.fp8 = _Fp8Settings(fp8_recipe, fp8_grad_dtype, fp8_fprop_fast_accum)
-        self._fp8_weight = _Fp8WeightCache()
+        self._fp8_weight = Fp8WeightCache()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -538,7 +524,7 @@ class GroupedLinear(nn.Module):
             else:
                 w_q = self._fp8_weight.get(
                     weight,
-                    self.fp8,
+                    self.fp8.recipe,
                     backend,
                     refresh=is_first_microbatch is True,
                     reuse=is_first_microbatch is False,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from moegemm._src import fp8
 from moegemm._src.moe import check_moe_shapes
 from moegemm._src.torch import ep as _ep
 from moegemm._src.torch import moe as _moe
@@ -27,6 +28,7 @@ from moegemm._src.torch.args import (
     checks_enabled,
     resolve_backend,
 )
+from moegemm.torch.grouped_linear import Fp8WeightCache
 
 __all__ = ["moe_experts"]
 
@@ -62,6 +64,7 @@ def moe_experts(
     *,
     activation: str = "swiglu",
     fp8_recipe: str | None = None,
+    fp8_caches: tuple[Fp8WeightCache, Fp8WeightCache] | None = None,
     check: bool | None = None,
     backend: Backend = "auto",
     ep_group: object | None = None,
@@ -86,7 +89,20 @@ def moe_experts(
     declares alike, so ranks may pass different T <= B (None: every rank passes the same T). In check mode one
     metadata all_gather first makes every rank raise on a mismatch across ranks (E/P, d, n, k, B, dtypes) or a
     bad input on any rank; without it such a mismatch is undefined, as NCCL's collectives are.
+
+    FP8 (docs/design.md, 'FP8 expert block'): ``fp8_recipe`` "tensorwise", "rowwise" or "blockwise" runs all six
+    GEMMs on e4m3 operands (``moegemm.torch.quantize_fp8``'s recipes; fc1 and fc2 with fast accumulation where the
+    recipe has it, the backward promoted), with fp32 accumulation, out and the gradients in the inputs' dtypes.
+    x and dout are quantized once per token, the SwiGLU epilogues run on the scaled accumulators. ``fp8_caches``:
+    a pair of ``Fp8WeightCache`` for w13 and w2, which keep each weight's quantized copies while the weight is
+    unchanged (gradient accumulation quantizes the weights once per optimizer step); None quantizes them every
+    call. Single process only (no ``ep_group``).
     """
+    if ep_group is not None and fp8_recipe is not None:
+        raise NotImplementedError(
+            f"moe_experts: fp8_recipe={fp8_recipe!r} with ep_group: the FP8 block runs on one process only "
+            "(docs/design.md, 'FP8 expert block')"
+        )
     if ep_group is not None:
         return _ep.moe_experts_ep(
             x,
@@ -104,6 +120,10 @@ def moe_experts(
             ),
         )
     _check_inputs(x, topk_ids, topk_weights, w13, w2, activation, fp8_recipe, check, w13.shape[0])
+    if fp8_recipe is not None:
+        return _moe.moe_experts_fp8(
+            x, topk_ids, topk_weights, w13, w2, fp8_recipe, resolve_backend(backend, x.device), fp8_caches
+        )
     return _moe.moe_experts(x, topk_ids, topk_weights, w13, w2, resolve_backend(backend, x.device))
 
 
@@ -112,9 +132,7 @@ def _check_inputs(x, topk_ids, topk_weights, w13, w2, activation, fp8_recipe, ch
     if activation not in ACTIVATIONS:
         raise ValueError(f"moe_experts: activation {activation!r}; supported: {ACTIVATIONS}")
     if fp8_recipe is not None:
-        raise NotImplementedError(
-            f"moe_experts: fp8_recipe={fp8_recipe!r}: the FP8 expert block is not built yet (bf16/fp16/fp32 only)"
-        )
+        fp8.check_recipe(fp8_recipe)
     check_moe_shapes(x, topk_ids, topk_weights, w13, w2)
     check_same("x, w13 and w2", x, w13, w2)
     if x.dtype not in FLOAT_DTYPES:

@@ -317,8 +317,22 @@ def m_grouped_mm_fp8_call(
         stride_bn=0,
         **dict(zip(names, scale_strides)),
     )
-    # No bias (HAS_BIAS=False): the kernel never reads bias_ptr; sx fills the slot.
-    args = (x, w, sx, sw, group_sizes, _offset_arg(group_offset, group_sizes), sx)
+    # No bias (HAS_BIAS=False): the kernel never reads bias_ptr; sx fills the slot. The expert block's pointers
+    # (gather, act, row_scale, act_out, ds) are not read without its options.
+    args = (
+        x,
+        w,
+        sx,
+        sw,
+        group_sizes,
+        _offset_arg(group_offset, group_sizes),
+        sx,
+        group_sizes,
+        sx,
+        sx,
+        sx,
+        sx,
+    )
     out_shape = _sds((M, N), out_dtype)
     return KernelCall(m_grouped_mm_fp8_kernel, launch.grid, args, out_shape, {**launch.meta, **sizes}, {})
 

@@ -18,6 +18,11 @@ group-by-group tile space, slot G zero-filling the unowned rows. Expert parallel
 and a bias) the G local ones from ``*group_offset_ptr``; the local rows are read and written in place
 and the others zero-filled. Activation scales stay global: per row, or (tensorwise, per group) indexed
 by the global group when sx has G_TOTAL entries.
+
+The expert block's options are the BF16 kernel's (``m_grouped.py``; docs/design.md, 'FP8 expert block'):
+``GATHER`` reads x's rows (and their ROW/BLOCK scales) through gather [M], and ``EPILOGUE`` "swiglu" (fc1:
+the tile's columns are gate and up halves, ``_swiglu_columns``; z and h stored) or "swiglu_bwd" (fc2's dgrad:
+dz, s * h and the routing weights' partial gradient from the kept z) runs on the scaled fp32 accumulator.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import dataclasses
 import triton
 import triton.language as tl
 
+from moegemm._src.kernels.m_grouped import _swiglu_bwd_epilogue, _swiglu_columns, _swiglu_epilogue
 from moegemm._src.kernels.schedule import (
     clamped_group_offset,
     locate_row_tile,
@@ -47,6 +53,11 @@ def m_grouped_mm_fp8_kernel(
     group_sizes_ptr,
     group_offset_ptr,  # int32 [1]: the first local group (read only with HAS_GROUP_OFFSET)
     bias_ptr,
+    gather_ptr,  # GATHER: int32 [M], the x row each out row reads
+    act_ptr,  # EPILOGUE: the fc1 pre-activation z [M, 2n] ("swiglu": written; "swiglu_bwd": read)
+    row_scale_ptr,  # "swiglu_bwd": fp32 [M], each row's routing weight
+    act_out_ptr,  # "swiglu_bwd": [M, N], s * swiglu(z)
+    ds_ptr,  # "swiglu_bwd": fp32 [cdiv(N, BLOCK_N), M], per column tile: sum over its columns of dh * h
     out_ptr,
     M,
     N: tl.constexpr,
@@ -84,6 +95,8 @@ def m_grouped_mm_fp8_kernel(
     SCALE_BLOCK: tl.constexpr,  # 128
     IMPRECISE_ACC: tl.constexpr,  # max_num_imprecise_acc of tl.dot: None lets sm90 accumulate fast
     UPCAST: tl.constexpr,  # interpreter only: no FP8 tensor cores, so the operands go to fp32 (exact)
+    GATHER: tl.constexpr = False,
+    EPILOGUE: tl.constexpr = "",
 ):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -115,14 +128,27 @@ def m_grouped_mm_fp8_kernel(
         g_w = tl.minimum(g, G - 1).to(tl.int64)  # the tail slot reads no weight or scale; keep it in bounds
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k_steps = tl.where(g < G, tl.cdiv(K, BLOCK_K), 0)
-        x_base = x_ptr + row0 * stride_xm
-        w_base = w_ptr + g_w * stride_wg + col0.to(tl.int64) * stride_wn
-        x_offs = offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
-        w_offs = offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+        if GATHER:
+            # 64-bit row offsets per tile row: x's rows by index (the expert block's token rows).
+            src = tl.load(gather_ptr + row0 + offs_m, mask=row_mask, other=0).to(tl.int64)
+            x_base = x_ptr
+            x_offs = src[:, None] * stride_xm + offs_k[None, :] * stride_xk
+        else:
+            src = row0 + offs_m
+            x_base = x_ptr + row0 * stride_xm
+            x_offs = offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+        if EPILOGUE == "swiglu":
+            w_cols, col_mask = _swiglu_columns(col0, offs_n, N, BLOCK_N)  # w's rows: two runs (gate, up)
+            w_base = w_ptr + g_w * stride_wg
+            w_offs = w_cols[:, None] * stride_wn + offs_k[None, :] * stride_wk
+        else:
+            w_cols = col0 + offs_n
+            w_base = w_ptr + g_w * stride_wg + col0.to(tl.int64) * stride_wn
+            w_offs = offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
         if SCALING == 2:
-            sx_base = sx_ptr + (row0 + offs_m) * stride_sxm
+            sx_base = sx_ptr + src * stride_sxm
             # The weight block of each output column (a BLOCK_N wider than 128 spans several).
-            sw_base = sw_ptr + g_w * stride_swg + ((col0 + offs_n) // SCALE_BLOCK).to(tl.int64) * stride_swn
+            sw_base = sw_ptr + g_w * stride_swg + (w_cols // SCALE_BLOCK).to(tl.int64) * stride_swn
         for k in range(0, k_steps):
             k_mask = offs_k < K - k * BLOCK_K
             if EVEN_K:
@@ -155,19 +181,31 @@ def m_grouped_mm_fp8_kernel(
             sx_g = (first_group + g_w).to(tl.int64)
             acc *= tl.load(sx_ptr + sx_g * stride_sxg) * tl.load(sw_ptr + g_w * stride_swg)
         elif SCALING == 1:
-            sx = tl.load(sx_ptr + (row0 + offs_m) * stride_sxm, mask=row_mask, other=0.0)
-            sw = tl.load(sw_ptr + g_w * stride_swg + (col0 + offs_n) * stride_swn, mask=col_mask, other=0.0)
+            sx = tl.load(sx_ptr + src * stride_sxm, mask=row_mask, other=0.0)
+            sw = tl.load(sw_ptr + g_w * stride_swg + w_cols * stride_swn, mask=col_mask, other=0.0)
             acc *= sx[:, None] * sw[None, :]
-        if HAS_BIAS:
-            bias_cols = tl.where(g < G, N - col0, 0)  # see m_grouped.py: the tail slot adds no bias
-            bias_base = bias_ptr + g_w * stride_bg + col0.to(tl.int64) * stride_bn
-            bias = tl.load(bias_base + offs_n * stride_bn, mask=offs_n < bias_cols, other=0.0)
-            acc += bias.to(tl.float32)[None, :]
-        out_base = out_ptr + row0 * stride_om + col0.to(tl.int64) * stride_on
-        out_offs = offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-        tl.store(
-            out_base + out_offs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :]
-        )
+        if EPILOGUE == "swiglu":
+            _swiglu_epilogue(
+                acc, act_ptr, out_ptr, row0, row_end, col0, N, stride_om, stride_on, BLOCK_M, BLOCK_N
+            )
+        elif EPILOGUE == "swiglu_bwd":
+            _swiglu_bwd_epilogue(
+                acc, act_ptr, row_scale_ptr, act_out_ptr, ds_ptr, out_ptr, M, row0, row_end, col0, N, BLOCK_M,
+                BLOCK_N,
+            )  # fmt: skip
+        else:
+            if HAS_BIAS:
+                bias_cols = tl.where(g < G, N - col0, 0)  # see m_grouped.py: the tail slot adds no bias
+                bias_base = bias_ptr + g_w * stride_bg + col0.to(tl.int64) * stride_bn
+                bias = tl.load(bias_base + offs_n * stride_bn, mask=offs_n < bias_cols, other=0.0)
+                acc += bias.to(tl.float32)[None, :]
+            out_base = out_ptr + row0 * stride_om + col0.to(tl.int64) * stride_on
+            out_offs = offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+            tl.store(
+                out_base + out_offs,
+                acc.to(out_ptr.dtype.element_ty),
+                mask=row_mask[:, None] & col_mask[None, :],
+            )
         if HAS_GROUP_OFFSET:
             zero_begin = tile * zero_per_tile
             store_zero_tiles(
@@ -204,13 +242,22 @@ class MGroupedFp8Launch:
         has_bias: bool,
         fast_accum: bool,
         g_total: int | None = None,
+        gather: bool = False,
+        epilogue: str = "",
     ) -> MGroupedFp8Launch:
         """fast_accum: let the tensor cores accumulate a whole tile's K (sm90's default for FP8, like
         torch's use_fast_accum); otherwise partial sums are promoted to fp32 every BLOCK_K.
-        g_total: expert parallelism, as MGroupedLaunch.make (None: no group offset)."""
+        g_total: expert parallelism, as MGroupedLaunch.make (None: no group offset). gather, epilogue: the
+        expert block's options, as MGroupedLaunch.make's (no bias or group offset with an epilogue)."""
         bm, bn, bk = config.block_m, config.block_n, config.block_k
         if recipe == "blockwise" and 128 % bk:
             raise ValueError(f"blockwise scaling needs BLOCK_K dividing 128, got {bk}")
+        if epilogue not in ("", "swiglu", "swiglu_bwd"):
+            raise ValueError(f"unknown epilogue {epilogue!r}")
+        if epilogue and (has_bias or g_total is not None):
+            raise ValueError(f"epilogue {epilogue!r} takes no bias or group offset")
+        if epilogue == "swiglu" and (N % 2 or bn % 2):
+            raise ValueError(f"the swiglu epilogue needs an even N and BLOCK_N, got N {N}, BLOCK_N {bn}")
         slots = G + 1 if g_total is None else G + 2  # the unowned rows: tail, and head with an offset
         max_tiles = (triton.cdiv(M, bm) + slots) * triton.cdiv(N, bn)
         num_programs = max(1, min(max_tiles, num_programs_cap * config.ctas_per_sm))
@@ -231,6 +278,8 @@ class MGroupedFp8Launch:
             # Blockwise scales each step's fresh partial product anyway: nothing more to promote.
             IMPRECISE_ACC=None if fast_accum or interpret or recipe == "blockwise" else bk,
             UPCAST=interpret,
+            GATHER=gather,
+            EPILOGUE=epilogue,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )

@@ -67,7 +67,9 @@ plan.on_change(clear_launch_cache)  # plan.constrain(fp8_ws=False) runs every FP
 
 
 @functools.lru_cache(maxsize=4096)
-def _m_launch(M, N, K, G, recipe, dtype, device, max_stride, has_bias, fast_accum) -> plan.Plan:
+def _m_launch(
+    M, N, K, G, recipe, dtype, device, max_stride, has_bias, fast_accum, gather=False, epilogue=""
+) -> plan.Plan:
     """The Triton FP8 kernel's plan (no warp-specialized layout facts: the plan keeps the Triton kernel)."""
     problem = plan.Problem(
         plan.M_GROUPED,
@@ -80,6 +82,8 @@ def _m_launch(M, N, K, G, recipe, dtype, device, max_stride, has_bias, fast_accu
         has_bias=has_bias,
         recipe=recipe,
         fast_accum=fast_accum,
+        gather=("x",) if gather else (),
+        epilogue=epilogue,
     )
     return plan.plan(problem, _target(device), CAPABILITIES)
 
@@ -198,19 +202,53 @@ def _ptxas_release() -> str:
     return found.group(1) if found else ""
 
 
-def launch_m_grouped_fp8(x, sx, w, sw, group_sizes, out, bias, recipe: str, fast_accum: bool) -> None:
-    """out [M, N] = for g: (x * sx)[rows(g)] @ ((w * sw)[g])^T (+ bias[g]); x [M, K], w [G, N, K] fp8."""
-    M, K = x.shape
+def launch_m_grouped_fp8(
+    x,
+    sx,
+    w,
+    sw,
+    group_sizes,
+    out,
+    bias,
+    recipe: str,
+    fast_accum: bool,
+    *,
+    gather=None,
+    epilogue: str = "",
+    act=None,
+    row_scale=None,
+    act_out=None,
+) -> torch.Tensor | None:
+    """out [M, N] = for g: (x * sx)[rows(g)] @ ((w * sw)[g])^T (+ bias[g]); x [Mx, K], w [G, N, K] fp8, M = out's
+    rows. The expert block's options (as ``launch.launch_m_grouped_fused``'s; docs/design.md, 'FP8 expert
+    block'): ``gather`` int32 [M] reads row r from x[gather[r]] (and its row scales); epilogue "swiglu" (N = 2n:
+    act [M, 2n] = z, out [M, n] = h) or "swiglu_bwd" (the product is dh [M, n]; from act = z and row_scale it
+    writes out [M, 2n] = dz, act_out [M, n] = s * h, and returns ds [cdiv(n, BLOCK_N), M] fp32). act, act_out
+    and out are contiguous with an epilogue."""
+    M, K = out.shape[0], x.shape[1]
     G, N, _ = w.shape
-    if M == 0 or N == 0:
-        return
+    fused = gather is not None or bool(epilogue)
+    if epilogue:
+        for name, t in (("out", out), ("act", act), ("act_out", act_out)):
+            if t is not None and not t.is_contiguous():
+                raise ValueError(
+                    f"launch_m_grouped_fp8: {name} must be contiguous with epilogue {epilogue!r}"
+                )
     sb = (0, 0) if bias is None else bias.stride()
     strides = (*x.stride(), *w.stride(), *out.stride(), *sb)
     spec = (M, N, K, G, recipe, x.dtype, x.device, max(map(abs, strides)), bias is not None, fast_accum)
+    if fused:
+        spec = (*spec, gather is not None, epilogue)
+    ds = None
+    if epilogue == "swiglu_bwd":
+        block_n = _m_launch(*spec).meta["BLOCK_N"]
+        ds = torch.empty(triton.cdiv(N, block_n), M, dtype=torch.float32, device=out.device)
+    if M == 0 or N == 0:
+        return ds
     # TMA also needs 16-byte aligned base pointers (the one dynamic fact).
     ws_launch = (
         _m_ws_launch(*spec, x.stride(), w.stride())
-        if x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+        if not fused and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
         else None
     )
     if ws_launch is not None:
@@ -221,14 +259,30 @@ def launch_m_grouped_fp8(x, sx, w, sw, group_sizes, out, bias, recipe: str, fast
             (M, N, K, G, x.stride(0), w.stride(1), *out.stride(), *sb, *_m_scale_strides(recipe, sx, sw)),
             lambda: ws_launch,
         )
-        return
+        return ds
+    unused = group_sizes  # a pointer slot the launch's options never read
     M_GROUPED_FP8.launch(
         spec,
         # No group offset: group_sizes fills its slot, never read.
-        (x, w, sx, sw, group_sizes, group_sizes, sx if bias is None else bias, out),
+        (
+            x,
+            w,
+            sx,
+            sw,
+            group_sizes,
+            unused,
+            sx if bias is None else bias,
+            unused if gather is None else gather,
+            out if act is None else act,
+            sx if row_scale is None else row_scale,
+            out if act_out is None else act_out,
+            sx if ds is None else ds,
+            out,
+        ),
         (M, N, K, G, G, *strides, *_m_scale_strides(recipe, sx, sw)),
         lambda: _m_launch(*spec),
     )
+    return ds
 
 
 def launch_k_grouped_fp8(
@@ -298,7 +352,16 @@ def launch_quantize_fp8(
     are ``moegemm._src.fp8``'s; a weight's qt is [G, C, N] (group-local), an activation's [C, M_t].
     q and s None (rowwise, blockwise activations): the transposed copy alone (its own launch)."""
     R, C = x.shape
-    if R == 0 or C == 0 or G == 0:
+    if C == 0 or G == 0:
+        return
+    if R == 0:
+        # No rows: every group is empty, so its scales are 1 (a zero block's) and the transposed copy's padding
+        # columns are zeros, as the twins write them; a wgrad reads both.
+        for t in (s, st):
+            if t is not None:
+                t.fill_(1.0)
+        if qt is not None:
+            qt.view(torch.uint8).zero_()
         return
     t_only = q is None
     if t_only:  # placeholders for the skipped data launch's pointers (q's dtype is the cast's)

@@ -19,6 +19,7 @@ import torch
 from moegemm._src import plan
 from moegemm._src.moe import Routing
 from moegemm._src.torch import ops as _ops
+from moegemm._src.torch import reference as _ref
 from moegemm._src.torch.launch import (
     CAPABILITIES,
     _target,
@@ -29,6 +30,7 @@ from moegemm._src.torch.launch import (
     launch_m_grouped,
     launch_m_grouped_fused,
 )
+from moegemm._src.torch.launch_fp8 import launch_m_grouped_fp8
 from moegemm.torch import reference
 
 
@@ -186,7 +188,7 @@ def moe_experts_op(
 
 
 @moe_experts_op.register_fake
-def _(x, topk_ids, topk_weights, w13, w2, expert_base=None):
+def _moe_experts_fake(x, topk_ids, topk_weights, w13, w2, expert_base=None):
     T, d = x.shape
     R = T * topk_ids.shape[1]
     index = dict(dtype=torch.int32)
@@ -284,6 +286,249 @@ class _MoEFunction(torch.autograd.Function):
 
     setup_context = staticmethod(_setup_eager)
     backward = staticmethod(_backward_from_ctx)
+
+
+# ---------------------------------------------------------------- FP8 (docs/design.md, 'FP8 expert block')
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _fp8_gemm(x_q, sx, w_q, sw, group_sizes, out, recipe, fast_accum, backend, gather, epilogue, act=None,
+              row_scale=None, act_out=None):  # fmt: skip
+    """The FP8 m-grouped launch with the block's options (``launch_m_grouped_fp8``), or its twin: x_q [Mx, K] read
+    at rows gather [M], w_q [G, N, K]; epilogue "swiglu" writes act = z and out = h; "swiglu_bwd" writes out = dz
+    and act_out = s * h from act = z and row_scale, and returns ds [*, M] (summed over its first axis)."""
+    if backend != "reference":
+        return launch_m_grouped_fp8(
+            x_q, sx, w_q, sw, group_sizes, out, None, recipe, fast_accum, gather=gather, epilogue=epilogue,
+            act=act, row_scale=row_scale, act_out=act_out,
+        )  # fmt: skip
+    xd = _ref.dequantize_activation(x_q, sx, recipe, None)[gather.long()]
+    wd = _ref.dequantize_weight(w_q, sw, recipe)
+    acc = reference.m_grouped_mm_reference(
+        xd, wd.mT, group_sizes, None, out_dtype=torch.float32, compute_dtype=torch.float32
+    )
+    if epilogue == "swiglu":
+        z, h = _ref.swiglu_epilogue(acc, act.dtype)
+        act.copy_(z)
+        out.copy_(h)
+        return None
+    dz, hs, ds = _ref.swiglu_bwd_epilogue(acc, act, row_scale)
+    out.copy_(dz)
+    act_out.copy_(hs)
+    return ds
+
+
+def _combine(rows, pos, weight, out_dtype, backend):
+    if backend == "reference":
+        return _ref.combine(rows, pos, weight, out_dtype)
+    out = _ops.empty(pos.shape[0], rows.shape[1], dtype=out_dtype, device=rows.device)
+    launch_combine(rows, pos, weight, out)
+    return out
+
+
+def _fp8_forward(x, topk_ids, topk_weights, w13_q, w2_q, recipe, backend):
+    """(out [T, d], z [R, 2n], *Routing). w13_q, w2_q: (data, scale, data_t, scale_t) of each weight
+    (``_ops.quantize_weight_views``). x is quantized once per token (fc1 gathers its rows and row scales), h per
+    expert group; fc1 and fc2 take fast accumulation where the recipe has it (tensorwise, rowwise), as
+    GroupedLinear's fprop does."""
+    T, d = x.shape
+    E, two_n, _ = w13_q[0].shape
+    r = routing(topk_ids, topk_weights, E)
+    R = r.gather.shape[0]
+    x_q, sx, _, _ = _ops.quantize_activation_views(x, None, recipe, E4M3, False, backend)
+    z = _ops.empty(R, two_n, dtype=x.dtype, device=x.device)
+    h = _ops.empty(R, two_n // 2, dtype=x.dtype, device=x.device)
+    _fp8_gemm(x_q, sx, w13_q[0], w13_q[1], r.group_sizes, h, recipe, True, backend, r.gather, "swiglu", act=z)
+    del x_q, sx
+    h_q, sh, _, _ = _ops.quantize_activation_views(h, r.group_sizes, recipe, E4M3, False, backend)
+    del h
+    y = _ops.m_grouped_fp8(h_q, sh, w2_q[0], w2_q[1], r.group_sizes, None, recipe, x.dtype, True, backend)
+    del h_q, sh
+    out = _combine(y, r.pos, topk_weights.contiguous(), x.dtype, backend)
+    return out, z, *r
+
+
+def _fp8_backward(dout, x, topk_weights, z, gather, pos, group_sizes, row_scale, w13_t, sw13_t, w2_t, sw2_t,
+                  recipe, backend, w_dtype):  # fmt: skip
+    """(dx, dw13, dw2, dtopk_weights) of the FP8 block; w13_t [E, d, 2n], w2_t [E, n, d]: the weights' dgrad copies
+    and their scales. dout is quantized once per token (fc2's dgrad gathers it, with the SwiGLU backward in its
+    epilogue); the wgrads read transposed copies of dout's and x's rows in expert order, of s * h and of dz (dz's
+    data and copy from one read). Every backward GEMM promotes (TE's split accumulator); dW leaves in w_dtype.
+    z: the kept pre-activation, or a one-element list holding it (emptied here: ``_backward``)."""
+    if isinstance(z, list):
+        z = z.pop()
+    T, d = x.shape
+    _, n, _ = w2_t.shape
+    R = gather.shape[0]
+    dout = dout.contiguous()
+    d_q, sd, _, _ = _ops.quantize_activation_views(dout, None, recipe, E4M3, False, backend)
+    dz = _ops.empty(R, 2 * n, dtype=x.dtype, device=x.device)
+    hs = _ops.empty(R, n, dtype=x.dtype, device=x.device)
+    ds = _fp8_gemm(
+        d_q, sd, w2_t, sw2_t, group_sizes, dz, recipe, False, backend, gather, "swiglu_bwd", act=z,
+        row_scale=row_scale, act_out=hs,
+    )  # fmt: skip
+    del z, d_q, sd
+    # Tensorwise has no transposed-copy-only quantize (its copy shares the data's group scale): it writes both.
+    data = recipe == "tensorwise"
+    _, _, dout_t, sdout_t = _ops.quantize_activation_views(
+        dout.index_select(0, gather), group_sizes, recipe, E4M3, True, backend, data
+    )
+    _, _, hs_t, shs_t = _ops.quantize_activation_views(hs, group_sizes, recipe, E4M3, True, backend, data)
+    del hs
+    dw2 = _ops.k_grouped_fp8(dout_t, sdout_t, hs_t, shs_t, group_sizes, R, recipe, False, backend, w_dtype)
+    del dout_t, sdout_t, hs_t, shs_t
+    dz_q, sdz, dz_t, sdz_t = _ops.quantize_activation_views(dz, group_sizes, recipe, E4M3, True, backend)
+    del dz
+    dx_rows = _ops.m_grouped_fp8(dz_q, sdz, w13_t, sw13_t, group_sizes, None, recipe, x.dtype, False, backend)
+    del dz_q, sdz
+    dx = _combine(dx_rows, pos, None, x.dtype, backend)
+    del dx_rows
+    _, _, x_t, sx_t = _ops.quantize_activation_views(
+        x.index_select(0, gather), group_sizes, recipe, E4M3, True, backend, data
+    )
+    dw13 = _ops.k_grouped_fp8(dz_t, sdz_t, x_t, sx_t, group_sizes, R, recipe, False, backend, w_dtype)
+    del dz_t, sdz_t, x_t, sx_t
+    dweights = (
+        ds.sum(0)[pos.view(-1).long().clamp(min=0)].view(pos.shape)
+        if R
+        else x.new_zeros(pos.shape, dtype=torch.float32)
+    )
+    dweights = torch.where(torch.isfinite(topk_weights), dweights, 0.0)
+    return dx, dw13, dw2, dweights.to(topk_weights.dtype)
+
+
+@torch.library.custom_op("moegemm::moe_experts_fp8", mutates_args=())
+def moe_experts_fp8_op(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_q: list[torch.Tensor],
+    w2_q: list[torch.Tensor],
+    recipe: str,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w13, w2: the high-precision weights (their gradients' shapes and dtype; not read); w13_q, w2_q: their
+    quantized views (data, scale, data_t, scale_t)."""
+    return _fp8_forward(x, topk_ids, topk_weights, w13_q, w2_q, recipe, backend)
+
+
+@moe_experts_fp8_op.register_fake
+def _(x, topk_ids, topk_weights, w13, w2, w13_q, w2_q, recipe, backend):
+    return _moe_experts_fake(x, topk_ids, topk_weights, w13, w2)  # the BF16 op's outputs
+
+
+@torch.library.custom_op("moegemm::moe_experts_fp8_bwd", mutates_args=())
+def moe_experts_fp8_bwd_op(
+    dout: torch.Tensor,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    z: torch.Tensor,
+    gather: torch.Tensor,
+    pos: torch.Tensor,
+    group_sizes: torch.Tensor,
+    row_scale: torch.Tensor,
+    w13_t: torch.Tensor,
+    sw13_t: torch.Tensor,
+    w2_t: torch.Tensor,
+    sw2_t: torch.Tensor,
+    recipe: str,
+    backend: str,
+    w_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _fp8_backward(
+        dout, x, topk_weights, z, gather, pos, group_sizes, row_scale, w13_t, sw13_t, w2_t, sw2_t, recipe,
+        backend, w_dtype,
+    )  # fmt: skip
+
+
+@moe_experts_fp8_bwd_op.register_fake
+def _(dout, x, topk_weights, z, gather, pos, group_sizes, row_scale, w13_t, sw13_t, w2_t, sw2_t, recipe, backend,
+      w_dtype):  # fmt: skip
+    E, d, two_n = w13_t.shape
+    return (
+        x.new_empty(x.shape),
+        x.new_empty((E, two_n, d), dtype=w_dtype),
+        x.new_empty((E, d, two_n // 2), dtype=w_dtype),
+        topk_weights.new_empty(pos.shape),
+    )
+
+
+def _fp8_setup(ctx, inputs, output, eager=False):
+    """Saves what ``_fp8_backward`` reads (the weights' dgrad copies, not the weights); z as a saved tensor, or
+    (eager) in a box the backward empties after its one use, as ``_setup_eager``."""
+    x, _, topk_weights, w13, _, w13_q, w2_q, recipe, backend = inputs
+    _, z, gather, pos, group_sizes, row_scale = output
+    dgrad = (w13_q[2], w13_q[3], w2_q[2], w2_q[3])
+    ctx.save_for_backward(
+        x, topk_weights, gather, pos, group_sizes, row_scale, *dgrad, *(() if eager else (z,))
+    )
+    ctx.z_box = [z] if eager else None
+    ctx.fp8 = (recipe, backend, w13.dtype)
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _fp8_backward_from_ctx(ctx, dout, *_):
+    x, topk_weights, gather, pos, group_sizes, row_scale, *rest = ctx.saved_tensors
+    if ctx.z_box is None:
+        box = [rest.pop()]
+    elif not ctx.z_box:
+        raise RuntimeError(
+            "moe_experts: its backward ran twice (retain_graph=True); the fc1 pre-activation is freed by the "
+            "first one. Run the block again for a second backward."
+        )
+    else:
+        box = [ctx.z_box.pop()]
+    recipe, backend, w_dtype = ctx.fp8
+    args = (x, topk_weights, box, gather, pos, group_sizes, row_scale, *rest, recipe, backend, w_dtype)
+    if _ops._eager(dout, x, topk_weights, box[0], gather, pos, group_sizes, row_scale, *rest):
+        dx, dw13, dw2, dweights = _fp8_backward(dout, *args)
+    else:
+        dx, dw13, dw2, dweights = moe_experts_fp8_bwd_op(dout, *args[:2], box.pop(), *args[3:])
+    # The custom op's list inputs take a list of gradients each; the autograd.Function's one None.
+    quantized = (None, None) if ctx.z_box is not None else ([None] * 4, [None] * 4)
+    return dx, None, dweights, dw13, dw2, *quantized, None, None
+
+
+moe_experts_fp8_op.register_autograd(_fp8_backward_from_ctx, setup_context=_fp8_setup)
+
+
+class _MoEFp8Function(torch.autograd.Function):
+    """Eager twin of moegemm::moe_experts_fp8's autograd (the same forward and backward; z in a box)."""
+
+    @staticmethod
+    def forward(x, topk_ids, topk_weights, w13, w2, w13_q, w2_q, recipe, backend):
+        return _fp8_forward(x, topk_ids, topk_weights, w13_q, w2_q, recipe, backend)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _fp8_setup(ctx, inputs, output, eager=True)
+
+    backward = staticmethod(_fp8_backward_from_ctx)
+
+
+def moe_experts_fp8(
+    x, topk_ids, topk_weights, w13, w2, recipe: str, backend: str, caches=None
+) -> torch.Tensor:
+    """The FP8 block's out [T, d] (``moegemm.torch.moe.moe_experts`` with ``fp8_recipe``), differentiable in x,
+    topk_weights, w13 and w2; ``backend`` "reference" runs every launch's twin (the CPU fallback). caches: a pair
+    of ``Fp8WeightCache`` for w13 and w2 (their quantized copies reused while the weights are unchanged), or None
+    (both quantized in this call)."""
+    if caches is None:
+        w13_q = _ops.quantize_weight_views(w13, recipe, backend)
+        w2_q = _ops.quantize_weight_views(w2, recipe, backend)
+    else:
+        w13_q = caches[0].get(w13, recipe, backend)
+        w2_q = caches[1].get(w2, recipe, backend)
+    args = (x, topk_ids, topk_weights, w13, w2, list(w13_q), list(w2_q), recipe, backend)
+    if not _ops._eager(x, topk_ids, topk_weights, w13, w2):
+        return moe_experts_fp8_op(*args)[0]
+    if _ops._needs_grad(x, topk_weights, w13, w2):
+        return _MoEFp8Function.apply(*args)[0]
+    return _fp8_forward(x, topk_ids, topk_weights, w13_q, w2_q, recipe, backend)[0]
 
 
 def moe_experts(

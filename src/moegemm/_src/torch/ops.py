@@ -183,6 +183,7 @@ def _quantize_forward(x, group_sizes, recipe, dtype, transpose, G, backend, data
         out = [empty(s, dtype=t, device=x.device) for s, t in zip(shapes, (dtype, torch.float32) * 2)]
         if out[0].numel():
             out[0][..., : data.shape[-1]].copy_(data)
+        if out[1].numel():  # tensorwise group scales exist without rows (1: an empty group's)
             out[1].copy_(scale.T if recipe == "blockwise" and not weight else scale)
         if transpose:
             out[2][..., : data_t.shape[-1]].copy_(data_t)
@@ -559,6 +560,37 @@ def quantize(x, group_sizes, recipe: str, dtype, transpose: bool, G: int, backen
     if _eager(x, group_sizes):
         return _quantize_forward(x, group_sizes, recipe, dtype, transpose, G, backend, data)
     return quantize_fp8_op(x, group_sizes, recipe, dtype, transpose, G, backend, data)
+
+
+def quantize_weight_views(weight: torch.Tensor, recipe: str, backend: str):
+    """(data, scale, data_t, scale_t) of a [G, N, K] weight in e4m3 with its dgrad copy, as views of the
+    storage (``moegemm._src.fp8``): data [G, N, K], data_t [G, K, N], scale_t the scale data_t's GEMM reads."""
+    with torch.no_grad():
+        G, N, K = weight.shape
+        data_s, scale_s, data_t_s, scale_t_s = quantize(
+            weight.detach(), None, recipe, torch.float8_e4m3fn, True, G, backend
+        )
+    scale_t = (
+        scale_t_s if recipe == "rowwise" else scale_s if recipe == "tensorwise" else scale_s.transpose(1, 2)
+    )
+    return data_s[..., :K], scale_s, data_t_s[..., :N], scale_t
+
+
+def quantize_activation_views(
+    t, group_sizes, recipe: str, dtype, transpose: bool, backend: str, data: bool = True
+):
+    """(data, scale, data_t, scale_t) of activations t [M, K] in row groups (group_sizes None: one group), as the
+    GEMMs read them: data [M, K], scale [G] / [M] / [M, cdiv(K, 128)], data_t [K, M_t] and its scale_t.
+    data=False (rowwise, blockwise): the transposed copy alone, data and scale None."""
+    G = 1 if group_sizes is None else group_sizes.shape[0]
+    data_s, scale_s, data_t_s, scale_t_s = quantize(
+        t, group_sizes, recipe, dtype, transpose, G, backend, data
+    )
+    scale_t = scale_s if recipe == "tensorwise" else scale_t_s
+    if not data:
+        return None, None, data_t_s, scale_t
+    scale = scale_s.T if recipe == "blockwise" else scale_s
+    return data_s[:, : t.shape[1]], scale, data_t_s, scale_t
 
 
 def grouped_column_sums(t, group_sizes, out_dtype, backend: str) -> torch.Tensor:

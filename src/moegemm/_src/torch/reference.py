@@ -240,3 +240,49 @@ def quantize_weight(w, recipe, dtype, transpose: bool):
     if not transpose:
         return data, scale, None, None
     return data, scale, data.mT.contiguous(), scale.transpose(1, 2)
+
+
+# ---------------------------------------------------------------- the expert block's epilogues and combine
+
+
+def combine(
+    rows: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """The combine kernel's twin: out [T, D] = sum_j weight[t, j] * rows[pos[t, j]] in fp32, j in order; a
+    negative position adds nothing, a non-finite weight counts as 0."""
+    T, k = pos.shape
+    out = torch.zeros(T, rows.shape[1], dtype=torch.float32, device=rows.device)
+    if rows.shape[0] == 0:
+        return out.to(dtype)
+    for j in range(k):
+        p = pos[:, j].long()
+        term = rows[p.clamp(0, rows.shape[0] - 1)].float()
+        if weight is not None:
+            w = weight[:, j].float()
+            term = term * torch.where(torch.isfinite(w), w, 0.0)[:, None]
+        out += torch.where((p >= 0)[:, None], term, 0.0)
+    return out.to(dtype)
+
+
+def swiglu_epilogue(acc: torch.Tensor, act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """fc1's epilogue twin: acc [M, 2n] fp32 -> (z [M, 2n] rounded to act_dtype, h = silu(gate) * up of the rounded
+    z, in act_dtype)."""
+    z = acc.to(act_dtype)
+    gate, up = z.float().chunk(2, dim=1)
+    return z, (gate * torch.sigmoid(gate) * up).to(act_dtype)
+
+
+def swiglu_bwd_epilogue(
+    dh: torch.Tensor, z: torch.Tensor, row_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fc2's dgrad epilogue twin: dh [M, n] fp32, the kept z [M, 2n], row_scale s [M] -> (dz [M, 2n], s * h [M, n],
+    both in z's dtype, ds [1, M] fp32 = sum over columns of dh * h), h rounded as the forward stored it."""
+    gate, up = z.float().chunk(2, dim=1)
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    h = (silu * up).to(z.dtype).float()
+    s = row_scale.float()[:, None]
+    ds = (dh * h).sum(1)[None]
+    dh = dh * s
+    dz = torch.cat((dh * up * sig * (1.0 + gate * (1.0 - sig)), dh * silu), dim=1)
+    return dz.to(z.dtype), (h * s).to(z.dtype), ds

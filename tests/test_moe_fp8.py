@@ -1,0 +1,210 @@
+"""The FP8 expert block (``moe_experts(..., fp8_recipe=)``): the fused FP8 launches against their twins, the block's
+output and every gradient against its twin and the fp64 oracle, routing edge cases, the weight cache, bad input,
+tracing, and (on a GPU) no host sync. Triton runs under the interpreter on CPU (compiled on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE, needs_cuda
+
+from moegemm._src.torch import moe as _moe
+from moegemm._src.torch import ops as _ops
+from moegemm.testing.accuracy import relerr
+from moegemm.torch import Fp8WeightCache, moe_experts, moe_experts_reference
+
+RECIPES = ["tensorwise", "rowwise", "blockwise"]
+NAMES = ("out", "dx", "dweights", "dw13", "dw2")
+# Against the fp64 oracle of the unquantized block: every output passes through four e4m3 roundings (x, w13, h, w2;
+# the gradients through as many), each about 2^-4 / sqrt(3) ~ 3.6% RMS on a value, ~6-7% together (measured on
+# CPU); a wrong scale, column or expert gives errors of order 1.
+ORACLE_TOL = 1.2e-1
+# Kernels against their twins (the same quantization points): on CPU the interpreter truncates its fp32 -> bf16
+# casts (z and h round differently, and an FP8 byte of h then flips now and then): 1-3% measured; compiled on a
+# GPU, where both round to nearest even, only the accumulation order differs.
+TWIN_TOL = 5e-2 if DEVICE == "cpu" else 1e-2
+
+
+def make(T, d, n, E, k, *, seed=0, ids=None, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, d, generator=g)
+    if ids is None:
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else torch.zeros(0, k)
+    weights = torch.rand(T, k, generator=g) + 0.1
+    w13 = torch.randn(E, 2 * n, d, generator=g) / d**0.5
+    w2 = torch.randn(E, d, n, generator=g) / n**0.5
+    return (
+        x.to(DEVICE, dtype),
+        ids.to(DEVICE, torch.int64),
+        *[t.to(DEVICE, dtype) for t in (weights, w13, w2)],
+    )
+
+
+def run(backend, recipe, x, ids, weights, w13, w2, dout, caches=None):
+    """(out, dx, dweights, dw13, dw2) of one forward and backward with fresh leaves."""
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weights, w13, w2)]
+    out = moe_experts(
+        leaves[0], ids, leaves[1], leaves[2], leaves[3], fp8_recipe=recipe, fp8_caches=caches, backend=backend
+    )
+    grads = torch.autograd.grad(out, leaves, dout, allow_unused=True)
+    return out.detach(), *[torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
+
+
+def oracle(x, ids, weights, w13, w2, dout):
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (x, weights, w13, w2)]
+    out = moe_experts_reference(
+        leaves[0], ids.cpu(), leaves[1], leaves[2], leaves[3], compute_dtype=torch.float64
+    )
+    return out.detach(), *torch.autograd.grad(out, leaves, dout.cpu().double())
+
+
+def check_block(recipe, args, seed=0):
+    g = torch.Generator().manual_seed(seed + 100)
+    dout = torch.randn(args[0].shape, generator=g).to(DEVICE, args[0].dtype)
+    got = run("triton", recipe, *args, dout)
+    twin = run("reference", recipe, *args, dout)
+    want = oracle(*args, dout)
+    for name, a, t, w in zip(NAMES, got, twin, want):
+        assert torch.isfinite(a).all(), f"{recipe} {name}: non-finite (an unwritten output?)"
+        assert relerr(a.cpu(), t.cpu()) <= TWIN_TOL, (
+            f"{recipe} {name}: kernels vs twins {relerr(a.cpu(), t.cpu()):.2e}"
+        )
+        assert relerr(t.cpu(), w) <= ORACLE_TOL, (
+            f"{recipe} {name}: twins vs fp64 oracle {relerr(t.cpu(), w):.2e}"
+        )
+        assert relerr(a.cpu(), w) <= ORACLE_TOL, (
+            f"{recipe} {name}: kernels vs fp64 oracle {relerr(a.cpu(), w):.2e}"
+        )
+    return got
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_block_matches_twin_and_oracle_with_empty_and_hot_experts(recipe):
+    """T 37 (no multiple of a tile), d 256 (two 128 scale blocks), expert 1 in every token, expert 3 in none."""
+    T, E, k = 37, 5, 2
+    ids = torch.stack([torch.tensor([1, 0]), torch.tensor([1, 2]), torch.tensor([4, 1])] * 13)[:T]
+    check_block(recipe, make(T, 256, 128, E, k, ids=ids))
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_fp8_block_one_hot_expert_and_unaligned_hidden(recipe):
+    """Every choice on one expert; d 200 and n 72 off every multiple of 128 (partial scale blocks, padded rows)."""
+    T, E = 24, 3
+    ids = torch.full((T, 1), 2)
+    check_block(recipe, make(T, 200, 72, E, 1, ids=ids, seed=3), seed=3)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("epilogue", ["swiglu", "swiglu_bwd"])
+def test_fused_fp8_launch_matches_its_twin_in_fp32(recipe, epilogue):
+    """The FP8 m-grouped launch with the gather prologue and a SwiGLU epilogue, its outputs in fp32 (no bf16
+    rounding between kernel and twin): the gathered rows' scales, the gate/up columns' weight scales and the
+    epilogue must match the twin to fp32 summation order."""
+    g = torch.Generator().manual_seed(7)
+    T, d, n, E, R = 19, 256, 64, 3, 40
+    sizes = torch.tensor([17, 0, 23], dtype=torch.int32)
+    gather = torch.randint(0, T, (R,), generator=g, dtype=torch.int32)
+    x = torch.randn(T, d, generator=g).to(DEVICE)
+    N = 2 * n if epilogue == "swiglu" else n
+    w = (torch.randn(E, N, d, generator=g) * torch.rand(E, N, 1, generator=g)).to(DEVICE)
+    x_q, sx, _, _ = _ops.quantize_activation_views(x, None, recipe, _moe.E4M3, False, "reference")
+    w_q, sw, _, _ = _ops.quantize_weight_views(w, recipe, "reference")
+    z = torch.randn(R, 2 * n, generator=g).to(DEVICE)
+    row_scale = torch.rand(R, generator=g).to(DEVICE)
+    sizes, gather = sizes.to(DEVICE), gather.to(DEVICE)
+    outs = {}
+    for backend in ("triton", "reference"):
+        if epilogue == "swiglu":
+            act, out, act_out = _ops.empty(R, 2 * n, dtype=torch.float32, device=DEVICE), None, None
+            out = _ops.empty(R, n, dtype=torch.float32, device=DEVICE)
+        else:
+            act, act_out = z, _ops.empty(R, n, dtype=torch.float32, device=DEVICE)
+            out = _ops.empty(R, 2 * n, dtype=torch.float32, device=DEVICE)
+        ds = _moe._fp8_gemm(
+            x_q, sx, w_q, sw, sizes, out, recipe, True, backend, gather, epilogue, act=act, row_scale=row_scale,
+            act_out=act_out,
+        )  # fmt: skip
+        outs[backend] = [out, act] if epilogue == "swiglu" else [out, act_out, ds.sum(0)]
+    for i, (a, b) in enumerate(zip(outs["triton"], outs["reference"])):
+        assert torch.isfinite(a).all(), f"{epilogue} output {i}: non-finite (unwritten?)"
+        assert relerr(a.cpu(), b.cpu()) <= 1e-5, (
+            f"{recipe} {epilogue} output {i}: {relerr(a.cpu(), b.cpu()):.2e}"
+        )
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_fp8_block_no_tokens(backend):
+    x, ids, weights, w13, w2 = make(0, 128, 64, 3, 2)
+    out, dx, dweights, dw13, dw2 = run(backend, "rowwise", x, ids, weights, w13, w2, torch.zeros_like(x))
+    assert out.shape == (0, 128) and dx.shape == (0, 128) and dweights.shape == (0, 2)
+    assert torch.equal(dw13, torch.zeros_like(dw13)) and torch.equal(dw2, torch.zeros_like(dw2))
+
+
+def test_fp8_weight_cache_reuses_until_the_weight_changes():
+    x, ids, weights, w13, w2 = make(16, 128, 64, 3, 2)
+    w13, w2 = w13.clone().requires_grad_(), w2.clone().requires_grad_()
+    caches = (Fp8WeightCache(), Fp8WeightCache())
+    first = moe_experts(
+        x, ids, weights, w13, w2, fp8_recipe="blockwise", fp8_caches=caches, backend="reference"
+    )
+    held = [c.storage for c in caches]
+    again = moe_experts(
+        x, ids, weights, w13, w2, fp8_recipe="blockwise", fp8_caches=caches, backend="reference"
+    )
+    assert all(c.storage is h for c, h in zip(caches, held)), "unchanged weights must reuse their FP8 copies"
+    assert torch.equal(first, again)
+    with torch.no_grad():
+        w2.mul_(2.0)  # an optimizer step: the version counter moves
+    moe_experts(x, ids, weights, w13, w2, fp8_recipe="blockwise", fp8_caches=caches, backend="reference")
+    assert caches[0].storage is held[0] and caches[1].storage is not held[1], (
+        "a changed weight must be re-quantized"
+    )
+
+
+def test_fp8_bad_recipe_and_expert_parallel_raise():
+    x, ids, weights, w13, w2 = make(4, 128, 64, 2, 1)
+    with pytest.raises(ValueError, match="recipe"):
+        moe_experts(x, ids, weights, w13, w2, fp8_recipe="mxfp8")
+    with pytest.raises(NotImplementedError, match="ep_group"):
+        moe_experts(x, ids, weights, w13, w2, fp8_recipe="rowwise", ep_group=object())
+
+
+def test_fp8_block_compile_fullgraph_equals_eager():
+    args = make(12, 128, 64, 3, 2, seed=5)
+    dout = torch.randn(args[0].shape).to(DEVICE, args[0].dtype)
+    x, ids, weights, w13, w2 = args
+    leaves = [t.clone().requires_grad_() for t in (x, weights, w13, w2)]
+
+    def f(x, w, a, b):
+        return moe_experts(x, ids, w, a, b, fp8_recipe="rowwise", backend="reference")
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    out = compiled(*leaves)
+    got = (out.detach(), *torch.autograd.grad(out, leaves, dout))
+    eager = run("reference", "rowwise", *args, dout)
+    for name, a, b in zip(NAMES, got, eager):
+        assert torch.equal(a, b), f"compiled {name} differs from eager"
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_block_on_gpu_no_host_sync_and_against_oracle(recipe):
+    T, d, n, E, k = 1000, 520, 200, 12, 3
+    g = torch.Generator(device="cuda").manual_seed(1)
+    logits = torch.randn(T, E, device="cuda", generator=g) + 3.0 * torch.linspace(0, 1, E, device="cuda")
+    weights, ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
+    x, _, _, w13, w2 = make(T, d, n, E, k)
+    args = (x, ids.to(torch.int32), weights.to(torch.bfloat16), w13, w2)
+    check_block(recipe, args)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, args[2], w13, w2)]
+    moe_experts(
+        leaves[0], args[1], *leaves[1:], fp8_recipe=recipe
+    ).sum().backward()  # compile outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = moe_experts(leaves[0], args[1], *leaves[1:], fp8_recipe=recipe)
+        torch.autograd.grad(out, leaves, torch.ones_like(out))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
