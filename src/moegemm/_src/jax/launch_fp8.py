@@ -124,7 +124,8 @@ def quantize_tiles_call(
             _sds((1,), jnp.float32),
         )
         t_strides = (0, 0, 0)
-        args = (x, _sizes_arg(group_sizes, x), x if amax is None else amax)  # amax: read by TENSOR only
+        # amax: read by TENSOR only; x fills the unread gather slot.
+        args = (x, _sizes_arg(group_sizes, x), x if amax is None else amax, x)
     else:
         if t_local:
             qt = _sds((G, C, t_local_n), jnp.uint8)
@@ -138,7 +139,7 @@ def quantize_tiles_call(
         else:
             st = _sds((1,), jnp.float32)
         outs = (qt, st)
-        args = (x, _sizes_arg(group_sizes, x), x if amax is None else amax, q, s)
+        args = (x, _sizes_arg(group_sizes, x), x if amax is None else amax, x, q, s)
     max_stride = max(C, t_local_n, t_columns, 1)
     meta = dict(
         R=R,
@@ -248,7 +249,7 @@ def quantize_cols_call(
     )
     grid = (G * triton.cdiv(C, config.col_block),)
     outs = (qt, _sds((G, C), jnp.float32))
-    return KernelCall(qk.fp8_quantize_cols_kernel, grid, (x, _sizes_arg(group_sizes, x)), outs, meta, {})
+    return KernelCall(qk.fp8_quantize_cols_kernel, grid, (x, _sizes_arg(group_sizes, x), x), outs, meta, {})
 
 
 # ---------------------------------------------------------------- GEMMs

@@ -186,6 +186,7 @@ def fp8_quantize_tiles_kernel(
     x_ptr,
     group_sizes_ptr,
     amax_ptr,  # TENSOR: the [G] group amax from fp8_group_amax_kernel
+    gather_ptr,  # GATHER: int32 [R], the x row each row quantizes
     q_ptr,
     s_ptr,
     qt_ptr,  # data_t as uint8
@@ -220,6 +221,9 @@ def fp8_quantize_tiles_kernel(
     FP8_MAX: tl.constexpr,
     EMULATE_CAST: tl.constexpr,  # interpreter only
     WIDE_OFFSETS: tl.constexpr,
+    # Rows by index (the expert block's wgrad copies of x[gather] and dy[gather]: docs/design.md, 'FP8 expert
+    # block'): row r of the groups is x[gather[r]]; R counts gathered rows.
+    GATHER: tl.constexpr = False,
 ):
     # Program (row tile, column segment): one group-aligned BLOCK_R-row tile and CHUNKS column tiles,
     # so the group bookkeeping (a few reductions over BLOCK_G lanes) is paid once per CHUNKS tiles,
@@ -257,7 +261,11 @@ def fp8_quantize_tiles_kernel(
     row_mask = offs_r < rows
     # The tail slot (g == G) reads nothing and writes zeros: rows past the last group are 0.
     load_mask = offs_r < tl.where(g < G, rows, 0)
-    x_base = x_ptr + row0 * stride_xr + offs_r[:, None] * stride_xr
+    if GATHER:
+        src = tl.load(gather_ptr + row0 + offs_r, mask=load_mask, other=0).to(tl.int64)
+        x_base = x_ptr + src[:, None] * stride_xr
+    else:
+        x_base = x_ptr + row0 * stride_xr + offs_r[:, None] * stride_xr
     if SCALING == 0:
         # Scalar masks are refused by triton 3.9's interpreter: load in bounds, then select.
         inv = _inv(_scale(tl.where(g < G, tl.load(amax_ptr + tl.minimum(g, G - 1)), 0.0), FP8_MAX))
@@ -381,6 +389,7 @@ def fp8_quantize_pair_kernel(
     x_ptr,
     group_sizes_ptr,
     amax_ptr,  # TENSOR: the [G] group amax from fp8_group_amax_kernel
+    gather_ptr,  # GATHER: int32 [R], the x row each row quantizes
     q_ptr,
     s_ptr,
     qt_ptr,  # data_t as uint8
@@ -584,9 +593,18 @@ def fp8_quantize_rows_kernel(
 
 
 @triton.jit
+def _source_rows(gather_ptr, r, offs_r, end, GATHER: tl.constexpr):
+    """The x rows that rows r + offs_r read: themselves, or (GATHER) gather[r + offs_r], 0 past end."""
+    if GATHER:
+        return tl.load(gather_ptr + r + offs_r, mask=offs_r < end - r, other=0).to(tl.int64)
+    return r + offs_r
+
+
+@triton.jit
 def fp8_quantize_cols_kernel(
     x_ptr,
     group_sizes_ptr,
+    gather_ptr,  # GATHER: int32 [R], the x row each row quantizes
     qt_ptr,
     st_ptr,  # [G, C]: one scale per (group, column)
     R,
@@ -609,6 +627,7 @@ def fp8_quantize_cols_kernel(
     T_GROUP_LOCAL: tl.constexpr,
     FP8_MAX: tl.constexpr,
     EMULATE_CAST: tl.constexpr,  # interpreter only
+    GATHER: tl.constexpr = False,  # row r is x[gather[r]] (fp8_quantize_tiles_kernel's GATHER)
 ):
     # One program per (group, column tile).
     fp8_type: tl.constexpr = tl.float8e4nv if FP8_MAX == 448.0 else tl.float8e5  # qt_ptr is uint8
@@ -626,7 +645,11 @@ def fp8_quantize_cols_kernel(
     amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
     for r in tl.range(start, end, BLOCK_R, num_stages=NUM_STAGES):
         mask = (offs_r < end - r)[:, None] & col_mask[None, :]
-        x = tl.load(x_base + (r + offs_r)[:, None] * stride_xr, mask=mask, other=0.0)
+        x = tl.load(
+            x_base + _source_rows(gather_ptr, r, offs_r, end, GATHER)[:, None] * stride_xr,
+            mask=mask,
+            other=0.0,
+        )
         amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), 0))
     scale = _scale(amax, FP8_MAX)
     tl.store(st_ptr + g.to(tl.int64) * stride_stg + (col0 + offs_c) * stride_stc, scale, mask=col_mask)
@@ -644,7 +667,7 @@ def fp8_quantize_cols_kernel(
     inv = _inv(scale)
     for r in tl.range(start, t_end, BLOCK_R, num_stages=NUM_STAGES):
         x = tl.load(
-            x_base + (r + offs_r)[:, None] * stride_xr,
+            x_base + _source_rows(gather_ptr, r, offs_r, end, GATHER)[:, None] * stride_xr,
             mask=(offs_r < end - r)[:, None] & col_mask[None, :],
             other=0.0,
         )

@@ -346,12 +346,20 @@ def launch_quantize_fp8(
     *,
     rows_per_group: int,
     G: int,
+    gather: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
 ) -> None:
     """Quantizes the rows of x [R, C] (a weight passes [G * N, K] with rows_per_group = N and no
     group_sizes) into q [R, C] and s, and, when qt is given, the transposed copy qt and st. Layouts
     are ``moegemm._src.fp8``'s; a weight's qt is [G, C, N] (group-local), an activation's [C, M_t].
-    q and s None (rowwise, blockwise activations): the transposed copy alone (its own launch)."""
-    R, C = x.shape
+    q and s None: the transposed copy alone (its own launch). ``gather`` int32 [R] (transposed copy alone): row r
+    is x[gather[r]] (the expert block's wgrad operands, docs/design.md, 'FP8 expert block'); tensorwise then takes
+    its scales from ``amax`` [G], given (the launch computes no amax of gathered rows)."""
+    R, C = x.shape if gather is None else (gather.shape[0], x.shape[1])
+    if gather is not None and (q is not None or (recipe == "tensorwise" and amax is None)):
+        raise ValueError(
+            "a gathered quantize writes the transposed copy alone, and tensorwise takes its amax"
+        )
     if C == 0 or G == 0:
         return
     if R == 0:
@@ -395,8 +403,8 @@ def launch_quantize_fp8(
         if qt is not None:
             t_strides = qt.stride() if qt.dim() == 3 else (0, *qt.stride())
             QUANTIZE_COLS.launch(
-                ("cols", x.device, R, C, G, has_sizes, qt.dim(), fp8_max),
-                (x, sizes, qt.view(torch.uint8), st),
+                ("cols", x.device, R, C, G, has_sizes, qt.dim(), fp8_max, gather is not None),
+                (x, sizes, sizes if gather is None else gather, qt.view(torch.uint8), st),
                 (R, C, G, rows_per_group, *x.stride(), *t_strides, *st.stride()),
                 lambda: _Grid(
                     (G * triton.cdiv(C, config.col_block),),
@@ -409,6 +417,7 @@ def launch_quantize_fp8(
                         T_GROUP_LOCAL=qt.dim() == 3,
                         FP8_MAX=fp8_max,
                         EMULATE_CAST=INTERPRET,
+                        GATHER=gather is not None,
                         num_warps=4,
                     ),
                 ),
@@ -416,6 +425,8 @@ def launch_quantize_fp8(
         return
     if recipe == "blockwise":
         scaling = qk.BLOCK_128X128 if s.dim() == 3 else qk.BLOCK_1X128
+    elif amax is not None:
+        scaling = qk.TENSOR
     else:
         scaling = qk.TENSOR
         amax = torch.zeros(G, dtype=torch.float32, device=x.device)
@@ -441,7 +452,7 @@ def launch_quantize_fp8(
         s_strides, st_strides = s.stride(), (0, 0)
     max_stride = max(map(abs, (*x.stride(), *q.stride(), *t_strides)))
     aligned = x.stride(1) == 1 and x.stride(0) % 16 == 0 and C % 16 == 0 and x.data_ptr() % 16 == 0
-    if not t_only and _quantize_pair(recipe, write_t, aligned, x.device):
+    if not t_only and gather is None and _quantize_pair(recipe, write_t, aligned, x.device):
         # One read of x for both copies (plan.quantize_pair). Offsets within a tile reach its 128-element side
         # times the largest stride.
         wide = 2 * fp8.SCALE_BLOCK * max_stride >= 2**31 or x.numel() >= 2**31
@@ -457,8 +468,30 @@ def launch_quantize_fp8(
         # Offsets within a tile reach its widest side times the largest stride.
         wide = 2 * max(qk.tile_shape(scaling, write_q, config)) * max_stride >= 2**31 or x.numel() >= 2**31
         QUANTIZE_TILES.launch(
-            ("tiles", x.device, R, C, G, has_sizes, scaling, write_q, t_local, fp8_max, wide),
-            (x, sizes, amax if scaling == qk.TENSOR else s, q, s, qt8, st),
+            (
+                "tiles",
+                x.device,
+                R,
+                C,
+                G,
+                has_sizes,
+                scaling,
+                write_q,
+                t_local,
+                fp8_max,
+                wide,
+                gather is not None,
+            ),
+            (
+                x,
+                sizes,
+                amax if scaling == qk.TENSOR else s,
+                sizes if gather is None else gather,
+                q,
+                s,
+                qt8,
+                st,
+            ),
             (R, C, G, rows_per_group, *x.stride(), *q.stride(), *t_strides, *s_strides, *st_strides),
             lambda write_q=write_q, wide=wide: _tiles_grid(
                 R,
@@ -477,6 +510,7 @@ def launch_quantize_fp8(
                 FP8_MAX=fp8_max,
                 EMULATE_CAST=INTERPRET,
                 WIDE_OFFSETS=wide,
+                GATHER=gather is not None,
             ),
         )
 

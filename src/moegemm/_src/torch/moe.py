@@ -327,6 +327,16 @@ def _combine(rows, pos, weight, out_dtype, backend):
     return out
 
 
+def _amax(t: torch.Tensor, recipe: str) -> torch.Tensor | None:
+    """max |t| as a [1] fp32 device tensor (tensorwise's whole-tensor scale; one pass, no host sync), else None."""
+    if recipe != "tensorwise":
+        return None
+    if t.numel() == 0:
+        return torch.zeros(1, dtype=torch.float32, device=t.device)
+    low, high = torch.aminmax(t)
+    return torch.maximum(-low, high).float().reshape(1)
+
+
 def _fp8_forward(x, topk_ids, topk_weights, w13_q, w2_q, recipe, backend):
     """(out [T, d], z [R, 2n], *Routing). w13_q, w2_q: (data, scale, data_t, scale_t) of each weight
     (``_ops.quantize_weight_views``). x is quantized once per token (fc1 gathers its rows and row scales), h per
@@ -370,11 +380,13 @@ def _fp8_backward(dout, x, topk_weights, z, gather, pos, group_sizes, row_scale,
         row_scale=row_scale, act_out=hs,
     )  # fmt: skip
     del z, d_q, sd
+    # The wgrads' copies of dout's and x's rows in expert order are read through gather by the quantize kernels
+    # (no [R, d] copies); tensorwise scales them by the whole tensor's amax, no pass over the R rows.
+    dout_t, sdout_t = _ops.quantize_gathered_t(
+        dout, gather, group_sizes, recipe, E4M3, backend, _amax(dout, recipe)
+    )
     # Tensorwise has no transposed-copy-only quantize (its copy shares the data's group scale): it writes both.
     data = recipe == "tensorwise"
-    _, _, dout_t, sdout_t = _ops.quantize_activation_views(
-        dout.index_select(0, gather), group_sizes, recipe, E4M3, True, backend, data
-    )
     _, _, hs_t, shs_t = _ops.quantize_activation_views(hs, group_sizes, recipe, E4M3, True, backend, data)
     del hs
     dw2 = _ops.k_grouped_fp8(dout_t, sdout_t, hs_t, shs_t, group_sizes, R, recipe, False, backend, w_dtype)
@@ -385,9 +397,7 @@ def _fp8_backward(dout, x, topk_weights, z, gather, pos, group_sizes, row_scale,
     del dz_q, sdz
     dx = _combine(dx_rows, pos, None, x.dtype, backend)
     del dx_rows
-    _, _, x_t, sx_t = _ops.quantize_activation_views(
-        x.index_select(0, gather), group_sizes, recipe, E4M3, True, backend, data
-    )
+    x_t, sx_t = _ops.quantize_gathered_t(x, gather, group_sizes, recipe, E4M3, backend, _amax(x, recipe))
     dw13 = _ops.k_grouped_fp8(dz_t, sdz_t, x_t, sx_t, group_sizes, R, recipe, False, backend, w_dtype)
     del dz_t, sdz_t, x_t, sx_t
     dweights = (

@@ -576,6 +576,35 @@ def quantize_weight_views(weight: torch.Tensor, recipe: str, backend: str):
     return data_s[..., :K], scale_s, data_t_s[..., :N], scale_t
 
 
+def quantize_gathered_t(x, gather, group_sizes, recipe: str, dtype, backend: str, amax=None):
+    """(data_t [C, M_t], scale_t) of the rows x[gather] [R, C] in group_sizes' groups, the wgrad's operand,
+    without a gathered copy of x (docs/design.md, 'FP8 expert block'). Tensorwise scales every group by
+    ``amax`` (a [1] fp32 tensor, such as x's amax), so no pass over the gathered rows finds one."""
+    R, C = gather.shape[0], x.shape[1]
+    G = group_sizes.shape[0]
+    if recipe == "tensorwise":
+        if amax is None:
+            raise ValueError("quantize_gathered_t: tensorwise takes the rows' amax")
+        amax = amax.float().reshape(1).expand(G).contiguous()
+    if backend == "reference":
+        rows = x.index_select(0, gather.long())
+        if recipe != "tensorwise":
+            return _ref.quantize_activation(rows, group_sizes, recipe, dtype, True)[2:]
+        scale = _ref.scale_of(amax, dtype)
+        cols, g, _ = _ref.transposed_columns_of_rows(group_sizes, R, x.device)
+        data_t = torch.zeros(C, fp8.transposed_columns(R, G), dtype=dtype, device=x.device)
+        owned = g < G
+        data_t[:, cols[owned]] = _ref.cast(rows[owned], scale[0], dtype).T
+        return data_t, scale
+    st_shape = fp8.activation_scale_shapes(recipe, R, C, G)[1]
+    data_t = empty(C, fp8.transposed_columns(R, G), dtype=dtype, device=x.device)
+    scale_t = _ref.scale_of(amax, dtype) if recipe == "tensorwise" else empty(st_shape, device=x.device)
+    launch_quantize_fp8(
+        x, group_sizes, recipe, None, None, data_t, scale_t, rows_per_group=R, G=G, gather=gather, amax=amax
+    )
+    return data_t, scale_t
+
+
 def quantize_activation_views(
     t, group_sizes, recipe: str, dtype, transpose: bool, backend: str, data: bool = True
 ):
