@@ -8,8 +8,11 @@ import pytest
 import torch
 from conftest import DEVICE, needs_cuda
 
+from moegemm._src import plan
 from moegemm._src.torch import moe as _moe
 from moegemm._src.torch import ops as _ops
+from moegemm._src.torch import reference as _ref
+from moegemm._src.torch.launch_fp8 import launch_swiglu, launch_swiglu_bwd
 from moegemm.testing.accuracy import relerr
 from moegemm.torch import Fp8WeightCache, moe_experts, moe_experts_reference
 
@@ -131,6 +134,42 @@ def test_fused_fp8_launch_matches_its_twin_in_fp32(recipe, epilogue):
         assert relerr(a.cpu(), b.cpu()) <= 1e-5, (
             f"{recipe} {epilogue} output {i}: {relerr(a.cpu(), b.cpu()):.2e}"
         )
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_block_split_launches_match_the_fused_ones(recipe):
+    """The gathered SwiGLU launches split into a row copy, the plain launch and the SwiGLU row kernels (what sm90
+    runs where the warp-specialized kernel takes the plain launch: plan.fp8_epilogue_split) against the fused
+    Triton launches: the same block, dh rounded once more to bf16."""
+    ids = torch.stack([torch.tensor([1, 0]), torch.tensor([1, 2]), torch.tensor([4, 1])] * 7)[:20]
+    args = make(20, 256, 72, 5, 2, ids=ids, seed=4)
+    dout = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(9)).to(DEVICE, args[0].dtype)
+    with plan.constrain(fp8_epilogue_split=False):
+        fused = run("triton", recipe, *args, dout)
+    with plan.constrain(fp8_epilogue_split=True):
+        split = run("triton", recipe, *args, dout)
+    for name, a, b in zip(NAMES, split, fused):
+        assert torch.isfinite(a).all(), f"{recipe} {name}: non-finite (an unwritten output?)"
+        assert relerr(a.cpu(), b.cpu()) <= TWIN_TOL, (
+            f"{recipe} {name}: split vs fused {relerr(a.cpu(), b.cpu()):.2e}"
+        )
+
+
+def test_swiglu_row_kernels_match_the_epilogue_twins():
+    g = torch.Generator().manual_seed(2)
+    R, n = 37, 200
+    z = torch.randn(R, 2 * n, generator=g).to(DEVICE)
+    dh = torch.randn(R, n, generator=g).to(DEVICE)
+    s = torch.rand(R, generator=g).to(DEVICE)
+    h = _ops.empty(R, n, dtype=torch.float32, device=DEVICE)
+    launch_swiglu(z, h)
+    dz = _ops.empty(R, 2 * n, dtype=torch.float32, device=DEVICE)
+    hs = _ops.empty(R, n, dtype=torch.float32, device=DEVICE)
+    ds = launch_swiglu_bwd(dh, z, s, dz, hs)
+    want_h = _ref.swiglu_epilogue(z, torch.float32)[1]
+    want = _ref.swiglu_bwd_epilogue(dh, z, s)
+    for what, a, b in (("h", h, want_h), ("dz", dz, want[0]), ("s h", hs, want[1]), ("ds", ds, want[2])):
+        assert relerr(a.cpu(), b.cpu()) <= 1e-5, f"{what}: {relerr(a.cpu(), b.cpu()):.2e}"
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])

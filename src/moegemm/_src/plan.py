@@ -227,6 +227,9 @@ class Constraints:
     # The expert block's wgrads read x's and dy's rows by token index in the kernel (True) or from gathered
     # copies through the plain wgrad (False; ``wgrad_gathers_rows``)
     wgrad_gather: bool | None = None
+    # The FP8 expert block's gathered SwiGLU launches split into a row copy, the plain launch and the SwiGLU row
+    # kernel (True) or fused (False; ``fp8_epilogue_split``)
+    fp8_epilogue_split: bool | None = None
     # A tile config in place of the pick: config(op, problem, target, picked) -> the config to use, op the
     # pick's table ("m_grouped", "k_grouped", "k_grouped_ws", "m_grouped_fp8_ws", "k_grouped_fp8_ws", or an
     # FP8 Triton table such as "m_grouped_fp8_fast"); for a warp-specialized op, picked None (and a None
@@ -638,6 +641,23 @@ def _plan_fp8_ws(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> P
         out_itemsize=p.out_itemsize,
     )
     return Plan("k_grouped_fp8_ws", Schedule(), config, launch)
+
+
+def fp8_epilogue_split(
+    p: Problem, target: Target, caps: Capabilities, constraints: Constraints | None = None
+) -> bool:
+    """The FP8 expert block's gathered launch with a SwiGLU epilogue (``p``: gather ("x",), an epilogue; the plain
+    problem's layout facts ws_layout and row_strides as the gathered copy would have them): True runs it as a copy
+    of the gathered FP8 rows, the plain launch and the SwiGLU row kernel (``kernels/swiglu.py``), False as one
+    Triton launch. Split where the plain problem takes the warp-specialized kernel (promoted accumulation on
+    sm90), which has no row gather or epilogue: the Triton promoted kernel with them ran fc2's dgrad at 592 TF/s
+    on DeepSeek-V3 EP8 where the warp-specialized dgrad runs 1124 (H100, 2026-11-27; docs/design.md, 'FP8 expert
+    block')."""
+    c = _active if constraints is None else constraints
+    if c.fp8_epilogue_split is not None:
+        return c.fp8_epilogue_split
+    plain = dataclasses.replace(p, gather=(), epilogue="")
+    return _plan_fp8_ws(plain, target, caps, c) is not None
 
 
 # Staging: one pass over a misaligned operand costs about 2 x its bytes at this rate (read and write) plus a

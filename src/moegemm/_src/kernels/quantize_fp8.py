@@ -389,7 +389,6 @@ def fp8_quantize_pair_kernel(
     x_ptr,
     group_sizes_ptr,
     amax_ptr,  # TENSOR: the [G] group amax from fp8_group_amax_kernel
-    gather_ptr,  # GATHER: int32 [R], the x row each row quantizes
     q_ptr,
     s_ptr,
     qt_ptr,  # data_t as uint8

@@ -17,6 +17,7 @@ from moegemm._src import configs, fp8, plan
 from moegemm._src.kernels import k_grouped_fp8_ws as k_ws
 from moegemm._src.kernels import m_grouped_fp8_ws as ws
 from moegemm._src.kernels import quantize_fp8 as qk
+from moegemm._src.kernels import swiglu as swiglu_kernels
 from moegemm._src.kernels.k_grouped_fp8 import k_grouped_mm_fp8_kernel
 from moegemm._src.kernels.m_grouped_fp8 import m_grouped_mm_fp8_kernel
 from moegemm._src.torch.launch import (
@@ -39,6 +40,8 @@ QUANTIZE_TILES = DirectLaunch(qk.fp8_quantize_tiles_kernel)
 QUANTIZE_PAIR = DirectLaunch(qk.fp8_quantize_pair_kernel)
 QUANTIZE_ROWS = DirectLaunch(qk.fp8_quantize_rows_kernel)
 QUANTIZE_COLS = DirectLaunch(qk.fp8_quantize_cols_kernel)
+SWIGLU = DirectLaunch(swiglu_kernels.swiglu_kernel)
+SWIGLU_BWD = DirectLaunch(swiglu_kernels.swiglu_bwd_kernel)
 LAUNCHES = (
     M_GROUPED_FP8,
     M_GROUPED_FP8_WS,
@@ -49,6 +52,8 @@ LAUNCHES = (
     QUANTIZE_PAIR,
     QUANTIZE_ROWS,
     QUANTIZE_COLS,
+    SWIGLU,
+    SWIGLU_BWD,
 )
 
 
@@ -59,6 +64,7 @@ def clear_launch_cache() -> None:
     _k_ws_launch.cache_clear()
     _quantize_config.cache_clear()
     _quantize_pair.cache_clear()
+    _epilogue_split.cache_clear()
     for launch in LAUNCHES:
         launch.clear()
 
@@ -328,6 +334,77 @@ def _m_scale_strides(recipe: str, sx: torch.Tensor, sw: torch.Tensor) -> tuple[i
     if recipe == "rowwise":
         return (0, sx.stride(0), 0, *sw.stride(), 0)
     return (0, *sx.stride(), *sw.stride())
+
+
+@functools.lru_cache(maxsize=4096)
+def _epilogue_split(M, N, K, G, recipe, dtype, device, max_stride, fast_accum, epilogue, row_strides) -> bool:
+    problem = plan.Problem(
+        plan.M_GROUPED,
+        M,
+        N,
+        K,
+        G,
+        _dtype_name(dtype),
+        max_stride=max_stride,
+        recipe=recipe,
+        fast_accum=fast_accum,
+        gather=("x",),
+        epilogue=epilogue,
+        ws_layout=True,
+        row_strides=row_strides,
+    )
+    return plan.fp8_epilogue_split(problem, _target(device), CAPABILITIES)
+
+
+def fp8_epilogue_split(x, w, M: int, recipe: str, fast_accum: bool, epilogue: str) -> bool:
+    """``plan.fp8_epilogue_split`` for the expert block's gathered launch of x's FP8 storage rows (padded to 16
+    bytes, so a gathered copy has 16-byte rows) against w [G, N, K]: True where the copy, the plain launch and the
+    SwiGLU row kernel run instead of one fused launch."""
+    G, N, K = w.shape
+    ws_layout = w.stride(2) == 1 and w.stride(1) % 16 == 0 and w.stride(0) == N * w.stride(1)
+    if not ws_layout or w.data_ptr() % 16:
+        return False
+    row_strides = (fp8.padded(K), w.stride(1))
+    return _epilogue_split(
+        M, N, K, G, recipe, x.dtype, x.device, max(row_strides), fast_accum, epilogue, row_strides
+    )
+
+
+def launch_swiglu(z, h) -> None:
+    """h [R, n] = silu(z[:, :n]) * z[:, n:] (``kernels/swiglu.py``); contiguous."""
+    R, N = h.shape
+    if R == 0 or N == 0:
+        return
+    spec = ("swiglu", N, z.dtype, h.dtype, z.device)
+    grid = (triton.cdiv(R, swiglu_kernels.BLOCK_R), triton.cdiv(N, swiglu_kernels.BLOCK_N))
+    meta = dict(
+        N=N,
+        BLOCK_R=swiglu_kernels.BLOCK_R,
+        BLOCK_N=swiglu_kernels.BLOCK_N,
+        num_warps=swiglu_kernels.NUM_WARPS,
+    )
+    SWIGLU.launch(spec, (z, h), (R,), lambda: _Grid(grid, meta))
+
+
+def launch_swiglu_bwd(dh, z, row_scale, dz, hs) -> torch.Tensor:
+    """From dh [R, n], z [R, 2n] and row_scale [R]: dz [R, 2n], hs [R, n] = s * h, and returns ds [1, R] fp32
+    (``kernels/swiglu.py``); contiguous."""
+    R, N = dh.shape
+    ds = torch.empty(1, R, dtype=torch.float32, device=dh.device)
+    if R == 0:
+        return ds
+    if N == 0:
+        return ds.zero_()
+    spec = ("swiglu_bwd", N, dh.dtype, z.dtype, dz.dtype, dz.device)
+    grid = (triton.cdiv(R, swiglu_kernels.BLOCK_R),)
+    meta = dict(
+        N=N,
+        BLOCK_R=swiglu_kernels.BLOCK_R,
+        BLOCK_N=swiglu_kernels.BLOCK_N,
+        num_warps=swiglu_kernels.NUM_WARPS,
+    )
+    SWIGLU_BWD.launch(spec, (dh, z, row_scale, dz, hs, ds), (R,), lambda: _Grid(grid, meta))
+    return ds
 
 
 def _k_scale_strides(s: torch.Tensor) -> tuple[int, int]:

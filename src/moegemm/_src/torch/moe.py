@@ -30,7 +30,12 @@ from moegemm._src.torch.launch import (
     launch_m_grouped,
     launch_m_grouped_fused,
 )
-from moegemm._src.torch.launch_fp8 import launch_m_grouped_fp8
+from moegemm._src.torch.launch_fp8 import (
+    fp8_epilogue_split,
+    launch_m_grouped_fp8,
+    launch_swiglu,
+    launch_swiglu_bwd,
+)
 from moegemm.torch import reference
 
 
@@ -298,11 +303,29 @@ def _fp8_gemm(x_q, sx, w_q, sw, group_sizes, out, recipe, fast_accum, backend, g
     """The FP8 m-grouped launch with the block's options (``launch_m_grouped_fp8``), or its twin: x_q [Mx, K] read
     at rows gather [M], w_q [G, N, K]; epilogue "swiglu" writes act = z and out = h; "swiglu_bwd" writes out = dz
     and act_out = s * h from act = z and row_scale, and returns ds [*, M] (summed over its first axis)."""
-    if backend != "reference":
+    R = gather.shape[0]
+    if backend != "reference" and not fp8_epilogue_split(x_q, w_q, R, recipe, fast_accum, epilogue):
         return launch_m_grouped_fp8(
             x_q, sx, w_q, sw, group_sizes, out, None, recipe, fast_accum, gather=gather, epilogue=epilogue,
             act=act, row_scale=row_scale, act_out=act_out,
         )  # fmt: skip
+    if backend != "reference":
+        # The split form (plan.fp8_epilogue_split): x's gathered FP8 rows (whole 16-byte storage rows) and their
+        # scales copied into expert order, the plain launch (the warp-specialized kernel), the SwiGLU row kernel.
+        K = x_q.shape[1]
+        rows = _storage_rows(x_q).index_select(0, gather)
+        xg = rows.view(x_q.dtype)[:, :K]
+        if recipe == "rowwise":
+            sx = sx.index_select(0, gather)
+        elif recipe == "blockwise":
+            sx = sx.T.index_select(1, gather).T  # stays M-major, as the kernels read a tile's row scales
+        if epilogue == "swiglu":
+            launch_m_grouped_fp8(xg, sx, w_q, sw, group_sizes, act, None, recipe, fast_accum)
+            launch_swiglu(act, out)
+            return None
+        dh = _ops.empty(R, w_q.shape[1], dtype=act.dtype, device=act.device)
+        launch_m_grouped_fp8(xg, sx, w_q, sw, group_sizes, dh, None, recipe, fast_accum)
+        return launch_swiglu_bwd(dh, act, row_scale, out, act_out)
     xd = _ref.dequantize_activation(x_q, sx, recipe, None)[gather.long()]
     wd = _ref.dequantize_weight(w_q, sw, recipe)
     acc = reference.m_grouped_mm_reference(
@@ -317,6 +340,11 @@ def _fp8_gemm(x_q, sx, w_q, sw, group_sizes, out, recipe, fast_accum, backend, g
     out.copy_(dz)
     act_out.copy_(hs)
     return ds
+
+
+def _storage_rows(q: torch.Tensor) -> torch.Tensor:
+    """The whole storage rows of an FP8 data view q [M, K] (rows padded to 16 bytes: ``fp8.padded``) as uint8."""
+    return q.view(torch.uint8).as_strided((q.shape[0], q.stride(0)), (q.stride(0), 1))
 
 
 def _combine(rows, pos, weight, out_dtype, backend):
