@@ -22,10 +22,14 @@ NAMES = ("out", "dx", "dweights", "dw13", "dw2")
 # the gradients through as many), each about 2^-4 / sqrt(3) ~ 3.6% RMS on a value, ~6-7% together (measured on
 # CPU); a wrong scale, column or expert gives errors of order 1.
 ORACLE_TOL = 1.2e-1
-# Kernels against their twins (the same quantization points): on CPU the interpreter truncates its fp32 -> bf16
-# casts (z and h round differently, and an FP8 byte of h then flips now and then): 1-3% measured; compiled on a
-# GPU, where both round to nearest even, only the accumulation order differs.
-TWIN_TOL = 5e-2 if DEVICE == "cpu" else 1e-2
+# Kernels against their twins (the same quantization points): a z or dh an ulp apart (the interpreter truncates its
+# fp32 -> bf16 casts; on a GPU the tensor cores accumulate differently, and the split form rounds dh to bf16) flips
+# an FP8 byte of the next operand now and then: 1-3% measured on CPU and on the H100.
+TWIN_TOL = 5e-2
+# The fused launches against their twin with fp32 outputs: the summation order alone on CPU; on the H100 the FP8
+# tensor cores keep about 14 bits while they accumulate the 128 products between promotions (DeepSeek-V3's report):
+# 1.2-2.1e-4 measured (2026-11-27).
+FP32_TOL = 1e-5 if DEVICE == "cpu" else 1e-3
 
 
 def make(T, d, n, E, k, *, seed=0, ids=None, dtype=torch.bfloat16):
@@ -102,8 +106,8 @@ def test_fp8_block_one_hot_expert_and_unaligned_hidden(recipe):
 def test_fused_fp8_launch_matches_its_twin_in_fp32(recipe, epilogue):
     """The FP8 m-grouped launch with the gather prologue and a SwiGLU epilogue, its outputs in fp32 (no bf16
     rounding between kernel and twin): the gathered rows' scales, the gate/up columns' weight scales and the
-    epilogue must match the twin to fp32 summation order (promoted: fast accumulation on a GPU is coarser,
-    3e-4 measured)."""
+    epilogue must match the twin to the accumulation's precision (``FP32_TOL``; promoted accumulation, on sm90 the
+    split form)."""
     g = torch.Generator().manual_seed(7)
     T, d, n, E, R = 19, 256, 64, 3, 40
     sizes = torch.tensor([17, 0, 23], dtype=torch.int32)
@@ -118,20 +122,13 @@ def test_fused_fp8_launch_matches_its_twin_in_fp32(recipe, epilogue):
     sizes, gather = sizes.to(DEVICE), gather.to(DEVICE)
     outs = {}
     for backend in ("triton", "reference"):
-        if epilogue == "swiglu":
-            act, out, act_out = _ops.empty(R, 2 * n, dtype=torch.float32, device=DEVICE), None, None
-            out = _ops.empty(R, n, dtype=torch.float32, device=DEVICE)
-        else:
-            act, act_out = z, _ops.empty(R, n, dtype=torch.float32, device=DEVICE)
-            out = _ops.empty(R, 2 * n, dtype=torch.float32, device=DEVICE)
-        ds = _moe._fp8_gemm(
-            x_q, sx, w_q, sw, sizes, out, recipe, False, backend, gather, epilogue, act=act, row_scale=row_scale,
-            act_out=act_out,
-        )  # fmt: skip
-        outs[backend] = [out, act] if epilogue == "swiglu" else [out, act_out, ds.sum(0)]
+        got = _moe._fp8_gemm(
+            x_q, sx, w_q, sw, sizes, recipe, False, backend, gather, epilogue, torch.float32, z, row_scale
+        )
+        outs[backend] = [*got[:2], got[2].sum(0)] if epilogue == "swiglu_bwd" else list(got)
     for i, (a, b) in enumerate(zip(outs["triton"], outs["reference"])):
         assert torch.isfinite(a).all(), f"{epilogue} output {i}: non-finite (unwritten?)"
-        assert relerr(a.cpu(), b.cpu()) <= 1e-5, (
+        assert relerr(a.cpu(), b.cpu()) <= FP32_TOL, (
             f"{recipe} {epilogue} output {i}: {relerr(a.cpu(), b.cpu()):.2e}"
         )
 

@@ -298,48 +298,72 @@ class _MoEFunction(torch.autograd.Function):
 E4M3 = torch.float8_e4m3fn
 
 
-def _fp8_gemm(x_q, sx, w_q, sw, group_sizes, out, recipe, fast_accum, backend, gather, epilogue, act=None,
-              row_scale=None, act_out=None):  # fmt: skip
-    """The FP8 m-grouped launch with the block's options (``launch_m_grouped_fp8``), or its twin: x_q [Mx, K] read
-    at rows gather [M], w_q [G, N, K]; epilogue "swiglu" writes act = z and out = h; "swiglu_bwd" writes out = dz
-    and act_out = s * h from act = z and row_scale, and returns ds [*, M] (summed over its first axis)."""
-    R = gather.shape[0]
-    if backend != "reference" and not fp8_epilogue_split(x_q, w_q, R, recipe, fast_accum, epilogue):
-        return launch_m_grouped_fp8(
-            x_q, sx, w_q, sw, group_sizes, out, None, recipe, fast_accum, gather=gather, epilogue=epilogue,
-            act=act, row_scale=row_scale, act_out=act_out,
-        )  # fmt: skip
-    if backend != "reference":
-        # The split form (plan.fp8_epilogue_split): x's gathered FP8 rows (whole 16-byte storage rows) and their
-        # scales copied into expert order, the plain launch (the warp-specialized kernel), the SwiGLU row kernel.
-        K = x_q.shape[1]
-        rows = _storage_rows(x_q).index_select(0, gather)
-        xg = rows.view(x_q.dtype)[:, :K]
-        if recipe == "rowwise":
-            sx = sx.index_select(0, gather)
-        elif recipe == "blockwise":
-            sx = sx.T.index_select(1, gather).T  # stays M-major, as the kernels read a tile's row scales
+def _fp8_gemm(x_q, sx, w_q, sw, group_sizes, recipe, fast_accum, backend, gather, epilogue, dtype, z=None,
+              row_scale=None):  # fmt: skip
+    """The FP8 m-grouped product x_q[gather] @ w_q[g]^T (x_q [Mx, K], gather [R], w_q [G, N, K]) with a SwiGLU
+    epilogue, its outputs in ``dtype``: "swiglu" -> (z [R, N], h [R, N / 2]); "swiglu_bwd" (the product is dh, z
+    and row_scale given) -> (dz [R, 2N], s * h [R, N], ds [*, R] fp32, summed over its first axis). One fused
+    launch (``launch_m_grouped_fp8``), the split form (``plan.fp8_epilogue_split``), or the twin."""
+    R, N = gather.shape[0], w_q.shape[1]
+    device = x_q.device
+    if backend == "reference":
+        xd = _ref.dequantize_activation(x_q, sx, recipe, None)[gather.long()]
+        wd = _ref.dequantize_weight(w_q, sw, recipe)
+        acc = reference.m_grouped_mm_reference(
+            xd, wd.mT, group_sizes, None, out_dtype=torch.float32, compute_dtype=torch.float32
+        )
         if epilogue == "swiglu":
-            launch_m_grouped_fp8(xg, sx, w_q, sw, group_sizes, act, None, recipe, fast_accum)
-            launch_swiglu(act, out)
-            return None
-        dh = _ops.empty(R, w_q.shape[1], dtype=act.dtype, device=act.device)
-        launch_m_grouped_fp8(xg, sx, w_q, sw, group_sizes, dh, None, recipe, fast_accum)
-        return launch_swiglu_bwd(dh, act, row_scale, out, act_out)
-    xd = _ref.dequantize_activation(x_q, sx, recipe, None)[gather.long()]
-    wd = _ref.dequantize_weight(w_q, sw, recipe)
-    acc = reference.m_grouped_mm_reference(
-        xd, wd.mT, group_sizes, None, out_dtype=torch.float32, compute_dtype=torch.float32
-    )
+            return _ref.swiglu_epilogue(acc, dtype)
+        return _ref.swiglu_bwd_epilogue(acc, z, row_scale)
+    if not fp8_epilogue_split(x_q, w_q, R, recipe, fast_accum, epilogue):
+        if epilogue == "swiglu":
+            z = _ops.empty(R, N, dtype=dtype, device=device)
+            h = _ops.empty(R, N // 2, dtype=dtype, device=device)
+            launch_m_grouped_fp8(
+                x_q,
+                sx,
+                w_q,
+                sw,
+                group_sizes,
+                h,
+                None,
+                recipe,
+                fast_accum,
+                gather=gather,
+                epilogue=epilogue,
+                act=z,
+            )
+            return z, h
+        dz = _ops.empty(R, 2 * N, dtype=dtype, device=device)
+        hs = _ops.empty(R, N, dtype=dtype, device=device)
+        ds = launch_m_grouped_fp8(
+            x_q, sx, w_q, sw, group_sizes, dz, None, recipe, fast_accum, gather=gather, epilogue=epilogue, act=z,
+            row_scale=row_scale, act_out=hs,
+        )  # fmt: skip
+        return dz, hs, ds
+    # The split form: x's gathered FP8 rows (whole 16-byte storage rows) and their scales copied into expert order,
+    # the plain launch (the warp-specialized kernel), the SwiGLU row kernel. The copy is freed before the row
+    # kernel's outputs exist, and dh lives in s * h's buffer (the row kernel reads each tile of dh before it writes
+    # that tile of s * h), so the peak stays the fused form's.
+    K = x_q.shape[1]
+    xg = _storage_rows(x_q).index_select(0, gather).view(x_q.dtype)[:, :K]
+    if recipe == "rowwise":
+        sx = sx.index_select(0, gather)
+    elif recipe == "blockwise":
+        sx = sx.T.index_select(1, gather).T  # stays M-major, as the kernels read a tile's row scales
     if epilogue == "swiglu":
-        z, h = _ref.swiglu_epilogue(acc, act.dtype)
-        act.copy_(z)
-        out.copy_(h)
-        return None
-    dz, hs, ds = _ref.swiglu_bwd_epilogue(acc, act, row_scale)
-    out.copy_(dz)
-    act_out.copy_(hs)
-    return ds
+        z = _ops.empty(R, N, dtype=dtype, device=device)
+        launch_m_grouped_fp8(xg, sx, w_q, sw, group_sizes, z, None, recipe, fast_accum)
+        del xg, sx
+        h = _ops.empty(R, N // 2, dtype=dtype, device=device)
+        launch_swiglu(z, h)
+        return z, h
+    hs = _ops.empty(R, N, dtype=dtype, device=device)
+    launch_m_grouped_fp8(xg, sx, w_q, sw, group_sizes, hs, None, recipe, fast_accum)
+    del xg, sx
+    dz = _ops.empty(R, 2 * N, dtype=dtype, device=device)
+    ds = launch_swiglu_bwd(hs, z, row_scale, dz, hs)
+    return dz, hs, ds
 
 
 def _storage_rows(q: torch.Tensor) -> torch.Tensor:
@@ -373,11 +397,10 @@ def _fp8_forward(x, topk_ids, topk_weights, w13_q, w2_q, recipe, backend):
     T, d = x.shape
     E, two_n, _ = w13_q[0].shape
     r = routing(topk_ids, topk_weights, E)
-    R = r.gather.shape[0]
     x_q, sx, _, _ = _ops.quantize_activation_views(x, None, recipe, E4M3, False, backend)
-    z = _ops.empty(R, two_n, dtype=x.dtype, device=x.device)
-    h = _ops.empty(R, two_n // 2, dtype=x.dtype, device=x.device)
-    _fp8_gemm(x_q, sx, w13_q[0], w13_q[1], r.group_sizes, h, recipe, True, backend, r.gather, "swiglu", act=z)
+    z, h = _fp8_gemm(
+        x_q, sx, w13_q[0], w13_q[1], r.group_sizes, recipe, True, backend, r.gather, "swiglu", x.dtype
+    )
     del x_q, sx
     h_q, sh, _, _ = _ops.quantize_activation_views(h, r.group_sizes, recipe, E4M3, False, backend)
     del h
@@ -401,12 +424,9 @@ def _fp8_backward(dout, x, topk_weights, z, gather, pos, group_sizes, row_scale,
     R = gather.shape[0]
     dout = dout.contiguous()
     d_q, sd, _, _ = _ops.quantize_activation_views(dout, None, recipe, E4M3, False, backend)
-    dz = _ops.empty(R, 2 * n, dtype=x.dtype, device=x.device)
-    hs = _ops.empty(R, n, dtype=x.dtype, device=x.device)
-    ds = _fp8_gemm(
-        d_q, sd, w2_t, sw2_t, group_sizes, dz, recipe, False, backend, gather, "swiglu_bwd", act=z,
-        row_scale=row_scale, act_out=hs,
-    )  # fmt: skip
+    dz, hs, ds = _fp8_gemm(
+        d_q, sd, w2_t, sw2_t, group_sizes, recipe, False, backend, gather, "swiglu_bwd", x.dtype, z, row_scale
+    )
     del z, d_q, sd
     # The wgrads' copies of dout's and x's rows in expert order are read through gather by the quantize kernels
     # (no [R, d] copies); tensorwise scales them by the whole tensor's amax, no pass over the R rows.
