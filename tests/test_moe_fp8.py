@@ -257,7 +257,7 @@ def test_gathered_transposed_quantize_writes_the_twins_bytes(recipe):
     x = x.to(DEVICE, torch.bfloat16)
     sizes = torch.tensor([20, 0, 25], dtype=torch.int32, device=DEVICE)
     gather = torch.randint(0, 30, (45,), generator=g, dtype=torch.int32).to(DEVICE)
-    amax = _moe._amax(x, recipe)
+    amax = x.float().abs().amax().reshape(1) if recipe == "tensorwise" else None
     got = _ops.quantize_gathered_t(x, gather, sizes, recipe, _moe.E4M3, "triton", amax)
     want = _ops.quantize_gathered_t(x, gather, sizes, recipe, _moe.E4M3, "reference", amax)
     used = 16 * sum(-(-int(n) // 16) for n in sizes.tolist())  # the groups' 16-aligned columns
@@ -265,3 +265,19 @@ def test_gathered_transposed_quantize_writes_the_twins_bytes(recipe):
     # Blockwise scale_t has a row per group-aligned 128-token block in use (its storage is an upper bound).
     blocks = sum(-(-int(n) // 128) for n in sizes.tolist()) if recipe == "blockwise" else None
     assert torch.equal(got[1][:blocks], want[1][:blocks]), recipe
+
+
+def test_tensorwise_wgrad_copy_moves_the_fp8_bytes():
+    """Tensorwise's wgrad operand from the token-order FP8 copy (``_moe._rows_t``): data_t holds exactly the
+    gathered rows' bytes, transposed into their groups' columns, and the scale is the copy's."""
+    g = torch.Generator().manual_seed(12)
+    x = (torch.randn(30, 200, generator=g) * 3).to(DEVICE, torch.bfloat16)
+    sizes = torch.tensor([20, 0, 25], dtype=torch.int32, device=DEVICE)
+    gather = torch.randint(0, 30, (45,), generator=g, dtype=torch.int32).to(DEVICE)
+    x_q, sx, _, _ = _ops.quantize_activation_views(x, None, "tensorwise", _moe.E4M3, False, "reference")
+    for backend in ("triton", "reference"):
+        data_t, scale_t = _moe._rows_t(None, x_q, sx, gather, sizes, "tensorwise", backend)
+        rows = x_q.view(torch.uint8)[gather.long()]
+        assert torch.equal(data_t[:, :20].view(torch.uint8), rows[:20].T), backend
+        assert torch.equal(data_t[:, 32:57].view(torch.uint8), rows[20:].T), backend  # group 2 starts at 32
+        assert torch.equal(scale_t, sx.expand(3)), backend

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from moegemm._src import plan
+from moegemm._src import fp8, plan
 from moegemm._src.moe import Routing
 from moegemm._src.torch import ops as _ops
 from moegemm._src.torch import reference as _ref
@@ -379,60 +379,78 @@ def _combine(rows, pos, weight, out_dtype, backend):
     return out
 
 
-def _amax(t: torch.Tensor, recipe: str) -> torch.Tensor | None:
-    """max |t| as a [1] fp32 device tensor (tensorwise's whole-tensor scale; one pass, no host sync), else None."""
+def _rows_t(src, src_q, src_scale, gather, group_sizes, recipe, backend):
+    """(data_t, scale_t) of the rows src[gather] in group_sizes' groups (a wgrad operand, ``_ops.quantize_gathered_t``).
+    Tensorwise moves the bytes of src's token-order FP8 copy src_q [T, *] (scale src_scale [1]): an amax of 448
+    makes the launch's scale 1, so each value is cast to itself; the other recipes requantize src."""
     if recipe != "tensorwise":
-        return None
-    if t.numel() == 0:
-        return torch.zeros(1, dtype=torch.float32, device=t.device)
-    low, high = torch.aminmax(t)
-    return torch.maximum(-low, high).float().reshape(1)
+        return _ops.quantize_gathered_t(src, gather, group_sizes, recipe, E4M3, backend)
+    unit = torch.full((1,), fp8.FP8_MAX["float8_e4m3fn"], dtype=torch.float32, device=src_q.device)
+    data_t, _ = _ops.quantize_gathered_t(src_q, gather, group_sizes, recipe, E4M3, backend, unit)
+    return data_t, src_scale.expand(group_sizes.shape[0])
 
 
 def _fp8_forward(x, topk_ids, topk_weights, w13_q, w2_q, recipe, backend):
-    """(out [T, d], z [R, 2n], *Routing). w13_q, w2_q: (data, scale, data_t, scale_t) of each weight
+    """(out [T, d], z [R, 2n], *Routing, x_q, sx). w13_q, w2_q: (data, scale, data_t, scale_t) of each weight
     (``_ops.quantize_weight_views``). x is quantized once per token (fc1 gathers its rows and row scales), h per
     expert group; fc1 and fc2 take fast accumulation where the recipe has it (tensorwise, rowwise), as
-    GroupedLinear's fprop does."""
+    GroupedLinear's fprop does. x_q [T, padded d] and sx [1]: tensorwise's FP8 x (storage rows) and scale, which
+    the backward's wgrad reads in place of x (0-element for the other recipes, whose wgrad requantizes x)."""
     T, d = x.shape
     E, two_n, _ = w13_q[0].shape
     r = routing(topk_ids, topk_weights, E)
-    x_q, sx, _, _ = _ops.quantize_activation_views(x, None, recipe, E4M3, False, backend)
+    x_s, sx_s, _, _ = _ops.quantize(x, None, recipe, E4M3, False, 1, backend)  # token-order storage
+    x_q, sx = x_s[:, :d], (sx_s.T if recipe == "blockwise" else sx_s)
     z, h = _fp8_gemm(
         x_q, sx, w13_q[0], w13_q[1], r.group_sizes, recipe, True, backend, r.gather, "swiglu", x.dtype
     )
-    del x_q, sx
+    if recipe == "tensorwise":
+        kept = (x_s, sx_s)
+    else:
+        kept = (x.new_empty(0, dtype=E4M3), x.new_empty(0, dtype=torch.float32))
+    del x_s, sx_s, x_q, sx
     h_q, sh, _, _ = _ops.quantize_activation_views(h, r.group_sizes, recipe, E4M3, False, backend)
     del h
     y = _ops.m_grouped_fp8(h_q, sh, w2_q[0], w2_q[1], r.group_sizes, None, recipe, x.dtype, True, backend)
     del h_q, sh
     out = _combine(y, r.pos, topk_weights.contiguous(), x.dtype, backend)
-    return out, z, *r
+    return out, z, *r, *kept
 
 
-def _fp8_backward(dout, x, topk_weights, z, gather, pos, group_sizes, row_scale, w13_t, sw13_t, w2_t, sw2_t,
-                  recipe, backend, w_dtype):  # fmt: skip
+def _fp8_backward(dout, x, x_q, sx, topk_weights, z, gather, pos, group_sizes, row_scale, w13_t, sw13_t, w2_t,
+                  sw2_t, recipe, backend, w_dtype):  # fmt: skip
     """(dx, dw13, dw2, dtopk_weights) of the FP8 block; w13_t [E, d, 2n], w2_t [E, n, d]: the weights' dgrad copies
     and their scales. dout is quantized once per token (fc2's dgrad gathers it, with the SwiGLU backward in its
     epilogue); the wgrads read transposed copies of dout's and x's rows in expert order, of s * h and of dz (dz's
     data and copy from one read). Every backward GEMM promotes (TE's split accumulator); dW leaves in w_dtype.
-    z: the kept pre-activation, or a one-element list holding it (emptied here: ``_backward``)."""
+    x: the block's input (rowwise, blockwise; 0-element for tensorwise), x_q and sx: tensorwise's FP8 x and scale
+    (``_fp8_forward``). z: the kept pre-activation, or a one-element list holding it (emptied here: ``_backward``)."""
     if isinstance(z, list):
         z = z.pop()
-    T, d = x.shape
     _, n, _ = w2_t.shape
     R = gather.shape[0]
     dout = dout.contiguous()
     d_q, sd, _, _ = _ops.quantize_activation_views(dout, None, recipe, E4M3, False, backend)
     dz, hs, ds = _fp8_gemm(
-        d_q, sd, w2_t, sw2_t, group_sizes, recipe, False, backend, gather, "swiglu_bwd", x.dtype, z, row_scale
+        d_q,
+        sd,
+        w2_t,
+        sw2_t,
+        group_sizes,
+        recipe,
+        False,
+        backend,
+        gather,
+        "swiglu_bwd",
+        dout.dtype,
+        z,
+        row_scale,
     )
-    del z, d_q, sd
+    del z
     # The wgrads' copies of dout's and x's rows in expert order are read through gather by the quantize kernels
-    # (no [R, d] copies); tensorwise scales them by the whole tensor's amax, no pass over the R rows.
-    dout_t, sdout_t = _ops.quantize_gathered_t(
-        dout, gather, group_sizes, recipe, E4M3, backend, _amax(dout, recipe)
-    )
+    # (no [R, d] copies): tensorwise moves the FP8 bytes of the token-order copies, the others requantize.
+    dout_t, sdout_t = _rows_t(dout, d_q, sd, gather, group_sizes, recipe, backend)
+    del d_q, sd
     # Tensorwise has no transposed-copy-only quantize (its copy shares the data's group scale): it writes both.
     data = recipe == "tensorwise"
     _, _, hs_t, shs_t = _ops.quantize_activation_views(hs, group_sizes, recipe, E4M3, True, backend, data)
@@ -441,17 +459,20 @@ def _fp8_backward(dout, x, topk_weights, z, gather, pos, group_sizes, row_scale,
     del dout_t, sdout_t, hs_t, shs_t
     dz_q, sdz, dz_t, sdz_t = _ops.quantize_activation_views(dz, group_sizes, recipe, E4M3, True, backend)
     del dz
-    dx_rows = _ops.m_grouped_fp8(dz_q, sdz, w13_t, sw13_t, group_sizes, None, recipe, x.dtype, False, backend)
+    dx_rows = _ops.m_grouped_fp8(
+        dz_q, sdz, w13_t, sw13_t, group_sizes, None, recipe, dout.dtype, False, backend
+    )
     del dz_q, sdz
-    dx = _combine(dx_rows, pos, None, x.dtype, backend)
+    dx = _combine(dx_rows, pos, None, dout.dtype, backend)
     del dx_rows
-    x_t, sx_t = _ops.quantize_gathered_t(x, gather, group_sizes, recipe, E4M3, backend, _amax(x, recipe))
+    x_q = x_q[:, : dout.shape[1]] if recipe == "tensorwise" else x_q  # storage rows: the values' columns
+    x_t, sx_t = _rows_t(x, x_q, sx, gather, group_sizes, recipe, backend)
     dw13 = _ops.k_grouped_fp8(dz_t, sdz_t, x_t, sx_t, group_sizes, R, recipe, False, backend, w_dtype)
     del dz_t, sdz_t, x_t, sx_t
     dweights = (
         ds.sum(0)[pos.view(-1).long().clamp(min=0)].view(pos.shape)
         if R
-        else x.new_zeros(pos.shape, dtype=torch.float32)
+        else dout.new_zeros(pos.shape, dtype=torch.float32)
     )
     dweights = torch.where(torch.isfinite(topk_weights), dweights, 0.0)
     return dx, dw13, dw2, dweights.to(topk_weights.dtype)
@@ -468,7 +489,16 @@ def moe_experts_fp8_op(
     w2_q: list[torch.Tensor],
     recipe: str,
     backend: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+]:
     """w13, w2: the high-precision weights (their gradients' shapes and dtype; not read); w13_q, w2_q: their
     quantized views (data, scale, data_t, scale_t)."""
     return _fp8_forward(x, topk_ids, topk_weights, w13_q, w2_q, recipe, backend)
@@ -476,13 +506,21 @@ def moe_experts_fp8_op(
 
 @moe_experts_fp8_op.register_fake
 def _(x, topk_ids, topk_weights, w13, w2, w13_q, w2_q, recipe, backend):
-    return _moe_experts_fake(x, topk_ids, topk_weights, w13, w2)  # the BF16 op's outputs
+    T, d = x.shape
+    kept = (T, fp8.padded(d)) if recipe == "tensorwise" else (0,)
+    return (
+        *_moe_experts_fake(x, topk_ids, topk_weights, w13, w2),  # the BF16 op's outputs
+        x.new_empty(kept, dtype=E4M3),
+        x.new_empty((1,) if recipe == "tensorwise" else (0,), dtype=torch.float32),
+    )
 
 
 @torch.library.custom_op("moegemm::moe_experts_fp8_bwd", mutates_args=())
 def moe_experts_fp8_bwd_op(
     dout: torch.Tensor,
     x: torch.Tensor,
+    x_q: torch.Tensor,
+    sx: torch.Tensor,
     topk_weights: torch.Tensor,
     z: torch.Tensor,
     gather: torch.Tensor,
@@ -498,17 +536,17 @@ def moe_experts_fp8_bwd_op(
     w_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _fp8_backward(
-        dout, x, topk_weights, z, gather, pos, group_sizes, row_scale, w13_t, sw13_t, w2_t, sw2_t, recipe,
+        dout, x, x_q, sx, topk_weights, z, gather, pos, group_sizes, row_scale, w13_t, sw13_t, w2_t, sw2_t, recipe,
         backend, w_dtype,
     )  # fmt: skip
 
 
 @moe_experts_fp8_bwd_op.register_fake
-def _(dout, x, topk_weights, z, gather, pos, group_sizes, row_scale, w13_t, sw13_t, w2_t, sw2_t, recipe, backend,
-      w_dtype):  # fmt: skip
+def _(dout, x, x_q, sx, topk_weights, z, gather, pos, group_sizes, row_scale, w13_t, sw13_t, w2_t, sw2_t, recipe,
+      backend, w_dtype):  # fmt: skip
     E, d, two_n = w13_t.shape
     return (
-        x.new_empty(x.shape),
+        dout.new_empty(dout.shape),
         x.new_empty((E, two_n, d), dtype=w_dtype),
         x.new_empty((E, d, two_n // 2), dtype=w_dtype),
         topk_weights.new_empty(pos.shape),
@@ -519,10 +557,12 @@ def _fp8_setup(ctx, inputs, output, eager=False):
     """Saves what ``_fp8_backward`` reads (the weights' dgrad copies, not the weights); z as a saved tensor, or
     (eager) in a box the backward empties after its one use, as ``_setup_eager``."""
     x, _, topk_weights, w13, _, w13_q, w2_q, recipe, backend = inputs
-    _, z, gather, pos, group_sizes, row_scale = output
+    _, z, gather, pos, group_sizes, row_scale, x_q, sx = output
     dgrad = (w13_q[2], w13_q[3], w2_q[2], w2_q[3])
+    # Tensorwise's wgrad reads x's FP8 copy, the others x itself: one of them is kept.
+    kept = (x.new_empty(0, x.shape[1]), x_q, sx) if recipe == "tensorwise" else (x, x_q, sx)
     ctx.save_for_backward(
-        x, topk_weights, gather, pos, group_sizes, row_scale, *dgrad, *(() if eager else (z,))
+        *kept, topk_weights, gather, pos, group_sizes, row_scale, *dgrad, *(() if eager else (z,))
     )
     ctx.z_box = [z] if eager else None
     ctx.fp8 = (recipe, backend, w13.dtype)
@@ -530,7 +570,7 @@ def _fp8_setup(ctx, inputs, output, eager=False):
 
 
 def _fp8_backward_from_ctx(ctx, dout, *_):
-    x, topk_weights, gather, pos, group_sizes, row_scale, *rest = ctx.saved_tensors
+    x, x_q, sx, topk_weights, gather, pos, group_sizes, row_scale, *rest = ctx.saved_tensors
     if ctx.z_box is None:
         box = [rest.pop()]
     elif not ctx.z_box:
@@ -541,11 +581,25 @@ def _fp8_backward_from_ctx(ctx, dout, *_):
     else:
         box = [ctx.z_box.pop()]
     recipe, backend, w_dtype = ctx.fp8
-    args = (x, topk_weights, box, gather, pos, group_sizes, row_scale, *rest, recipe, backend, w_dtype)
-    if _ops._eager(dout, x, topk_weights, box[0], gather, pos, group_sizes, row_scale, *rest):
+    args = (
+        x,
+        x_q,
+        sx,
+        topk_weights,
+        box,
+        gather,
+        pos,
+        group_sizes,
+        row_scale,
+        *rest,
+        recipe,
+        backend,
+        w_dtype,
+    )
+    if _ops._eager(dout, x, x_q, sx, topk_weights, box[0], gather, pos, group_sizes, row_scale, *rest):
         dx, dw13, dw2, dweights = _fp8_backward(dout, *args)
     else:
-        dx, dw13, dw2, dweights = moe_experts_fp8_bwd_op(dout, *args[:2], box.pop(), *args[3:])
+        dx, dw13, dw2, dweights = moe_experts_fp8_bwd_op(dout, *args[:4], box.pop(), *args[5:])
     # The custom op's list inputs take a list of gradients each; the autograd.Function's one None.
     quantized = (None, None) if ctx.z_box is not None else ([None] * 4, [None] * 4)
     return dx, None, dweights, dw13, dw2, *quantized, None, None

@@ -579,7 +579,7 @@ def quantize_weight_views(weight: torch.Tensor, recipe: str, backend: str):
 def quantize_gathered_t(x, gather, group_sizes, recipe: str, dtype, backend: str, amax=None):
     """(data_t [C, M_t], scale_t) of the rows x[gather] [R, C] in group_sizes' groups, the wgrad's operand,
     without a gathered copy of x (docs/design.md, 'FP8 expert block'). Tensorwise scales every group by
-    ``amax`` (a [1] fp32 tensor, such as x's amax), so no pass over the gathered rows finds one."""
+    ``amax`` (a [1] fp32 tensor), so no pass over the gathered rows finds one; x may then be FP8 itself."""
     R, C = gather.shape[0], x.shape[1]
     G = group_sizes.shape[0]
     if recipe == "tensorwise":
@@ -587,7 +587,12 @@ def quantize_gathered_t(x, gather, group_sizes, recipe: str, dtype, backend: str
             raise ValueError("quantize_gathered_t: tensorwise takes the rows' amax")
         amax = amax.float().reshape(1).expand(G).contiguous()
     if backend == "reference":
-        rows = x.index_select(0, gather.long())
+        rows = (
+            x.view(torch.uint8).index_select(0, gather.long()).view(x.dtype)
+            if x.element_size() == 1
+            else None
+        )
+        rows = x.index_select(0, gather.long()) if rows is None else rows
         if recipe != "tensorwise":
             return _ref.quantize_activation(rows, group_sizes, recipe, dtype, True)[2:]
         scale = _ref.scale_of(amax, dtype)
