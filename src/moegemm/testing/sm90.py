@@ -40,6 +40,7 @@ from moegemm._src.kernels import (
     quantize_fp8,
     split_k,
     stage_rows,
+    swiglu,
 )
 from moegemm._src.kernels.gluon_hopper import TensorDescriptor, gl
 from moegemm._src.kernels.schedule import sm90_shared_fits
@@ -525,6 +526,27 @@ KERNELS = {
         for op in ("fc1", "fc2-dgrad")
         for recipe in ("tensorwise", "rowwise", "blockwise")
     },
+    # The FP8 block's SwiGLU row kernels (its split form) at DeepSeek-V3's n = 2048, with the amax of tensorwise.
+    "moe-swiglu": lambda: (
+        swiglu.swiglu_kernel,
+        dict(N=2048, BLOCK_R=swiglu.BLOCK_R, BLOCK_N=swiglu.BLOCK_N, num_warps=swiglu.NUM_WARPS),
+        {"z_ptr": "*bf16", "h_ptr": "*bf16"},
+        {"R": 65536},
+    ),
+    "moe-swiglu-bwd": lambda: (
+        swiglu.swiglu_bwd_kernel,
+        dict(N=2048, BLOCK_R=swiglu.BLOCK_R, BLOCK_N=swiglu.BLOCK_N, AMAX=True, num_warps=swiglu.NUM_WARPS),
+        {
+            "dh_ptr": "*bf16",
+            "z_ptr": "*bf16",
+            "row_scale_ptr": "*fp32",
+            "dz_ptr": "*bf16",
+            "hs_ptr": "*bf16",
+            "ds_ptr": "*fp32",
+            "amax_ptr": "*fp32",
+        },  # fmt: skip
+        {"R": 65536},
+    ),
     "m_grouped_fp8_ws": _m_grouped_fp8_ws,
     "k_grouped_ws": _k_grouped_ws,
     "k_grouped_ws-3-slots": lambda: _k_grouped_ws(3),

@@ -138,17 +138,24 @@ def _swiglu_bwd_epilogue(
     row_mask = tl.arange(0, BM) < row_end - row0
     s = tl.load(row_scale_ptr + rows, mask=row_mask, other=0.0)
     left, right = tl.split(tl.permute(tl.reshape(acc, [BM, 2, HALF]), (0, 2, 1)))
-    ds = _swiglu_bwd_columns(left, act_ptr, act_out_ptr, out_ptr, rows, row_mask, s, col0, N, HALF)
-    ds += _swiglu_bwd_columns(right, act_ptr, act_out_ptr, out_ptr, rows, row_mask, s, col0 + HALF, N, HALF)
+    ds, _, _ = _swiglu_bwd_columns(
+        left, act_ptr, act_out_ptr, out_ptr, rows, row_mask, s, col0, N, HALF, False
+    )
+    ds_right, _, _ = _swiglu_bwd_columns(
+        right, act_ptr, act_out_ptr, out_ptr, rows, row_mask, s, col0 + HALF, N, HALF, False
+    )
+    ds += ds_right
     tl.store(ds_ptr + (col0 // BLOCK_N).to(tl.int64) * M + rows, ds, mask=row_mask)
 
 
 @triton.jit
 def _swiglu_bwd_columns(
-    dh, act_ptr, act_out_ptr, out_ptr, rows, row_mask, s, col0, N: tl.constexpr, WIDTH: tl.constexpr
-):
+    dh, act_ptr, act_out_ptr, out_ptr, rows, row_mask, s, col0, N: tl.constexpr, WIDTH: tl.constexpr,
+    AMAX: tl.constexpr,
+):  # fmt: skip
     """``_swiglu_bwd_epilogue`` on columns [col0, col0 + WIDTH) of n: stores dz's gate and up columns and s * h,
-    returns the rows' sums of dh * h over these columns."""
+    returns the rows' sums of dh * h over these columns, and with AMAX the largest |s * h| and |dz| stored (an FP8
+    tensorwise scale's amax: ``kernels/swiglu.py``; 0 without, so the GEMM epilogue's registers stay as they were)."""
     cols = col0.to(tl.int64) + tl.arange(0, WIDTH)
     mask = row_mask[:, None] & (cols < N)[None, :]
     z_row = rows[:, None] * (2 * N)
@@ -157,19 +164,25 @@ def _swiglu_bwd_columns(
     silu = gate * sig
     up = tl.load(act_ptr + z_row + N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     h = (silu * up).to(act_out_ptr.dtype.element_ty)  # fc2's input as the forward rounded it
-    tl.store(
-        act_out_ptr + rows[:, None] * N + cols[None, :],
-        (h.to(tl.float32) * s[:, None]).to(h.dtype),
-        mask=mask,
-    )
+    hs = (h.to(tl.float32) * s[:, None]).to(h.dtype)
+    tl.store(act_out_ptr + rows[:, None] * N + cols[None, :], hs, mask=mask)
     ds = tl.sum(tl.where(mask, dh * h.to(tl.float32), 0.0), 1)
     dh = dh * s[:, None]
     out_ty = out_ptr.dtype.element_ty
-    tl.store(out_ptr + z_row + N + cols[None, :], (dh * silu).to(out_ty), mask=mask)
-    tl.store(
-        out_ptr + z_row + cols[None, :], (dh * up * sig * (1.0 + gate * (1.0 - sig))).to(out_ty), mask=mask
-    )
-    return ds
+    dz_up = (dh * silu).to(out_ty)
+    tl.store(out_ptr + z_row + N + cols[None, :], dz_up, mask=mask)
+    dz_gate = (dh * up * sig * (1.0 + gate * (1.0 - sig))).to(out_ty)
+    tl.store(out_ptr + z_row + cols[None, :], dz_gate, mask=mask)
+    if AMAX:  # masked elements are 0 (z loads 0, so h, dz and s * h are 0 there)
+        hs_amax = tl.max(tl.max(tl.abs(hs.to(tl.float32)), 1), 0)
+        dz_amax = tl.maximum(
+            tl.max(tl.max(tl.abs(dz_up.to(tl.float32)), 1), 0),
+            tl.max(tl.max(tl.abs(dz_gate.to(tl.float32)), 1), 0),
+        )
+    else:
+        hs_amax = 0.0
+        dz_amax = 0.0
+    return ds, hs_amax, dz_amax
 
 
 @triton.jit

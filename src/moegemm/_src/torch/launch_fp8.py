@@ -386,24 +386,26 @@ def launch_swiglu(z, h) -> None:
     SWIGLU.launch(spec, (z, h), (R,), lambda: _Grid(grid, meta))
 
 
-def launch_swiglu_bwd(dh, z, row_scale, dz, hs) -> torch.Tensor:
+def launch_swiglu_bwd(dh, z, row_scale, dz, hs, amax=None) -> torch.Tensor:
     """From dh [R, n], z [R, 2n] and row_scale [R]: dz [R, 2n], hs [R, n] = s * h, and returns ds [1, R] fp32
-    (``kernels/swiglu.py``); contiguous."""
+    (``kernels/swiglu.py``); contiguous. ``amax`` (fp32 [2], zeros): gets max |dz| and max |hs|."""
     R, N = dh.shape
     ds = torch.empty(1, R, dtype=torch.float32, device=dh.device)
     if R == 0:
         return ds
     if N == 0:
         return ds.zero_()
-    spec = ("swiglu_bwd", N, dh.dtype, z.dtype, dz.dtype, dz.device)
+    spec = ("swiglu_bwd", N, dh.dtype, z.dtype, dz.dtype, dz.device, amax is not None)
     grid = (triton.cdiv(R, swiglu_kernels.BLOCK_R),)
     meta = dict(
         N=N,
         BLOCK_R=swiglu_kernels.BLOCK_R,
         BLOCK_N=swiglu_kernels.BLOCK_N,
+        AMAX=amax is not None,
         num_warps=swiglu_kernels.NUM_WARPS,
     )
-    SWIGLU_BWD.launch(spec, (dh, z, row_scale, dz, hs, ds), (R,), lambda: _Grid(grid, meta))
+    tensors = (dh, z, row_scale, dz, hs, ds, ds if amax is None else amax)
+    SWIGLU_BWD.launch(spec, tensors, (R,), lambda: _Grid(grid, meta))
     return ds
 
 

@@ -302,8 +302,8 @@ def _fp8_gemm(x_q, sx, w_q, sw, group_sizes, recipe, fast_accum, backend, gather
               row_scale=None):  # fmt: skip
     """The FP8 m-grouped product x_q[gather] @ w_q[g]^T (x_q [Mx, K], gather [R], w_q [G, N, K]) with a SwiGLU
     epilogue, its outputs in ``dtype``: "swiglu" -> (z [R, N], h [R, N / 2]); "swiglu_bwd" (the product is dh, z
-    and row_scale given) -> (dz [R, 2N], s * h [R, N], ds [*, R] fp32, summed over its first axis). One fused
-    launch (``launch_m_grouped_fp8``), the split form (``plan.fp8_epilogue_split``), or the twin."""
+    and row_scale given) -> (dz [R, 2N], s * h [R, N], ds [*, R] fp32, summed over its first axis, and ``_amaxes``).
+    One fused launch (``launch_m_grouped_fp8``), the split form (``plan.fp8_epilogue_split``), or the twin."""
     R, N = gather.shape[0], w_q.shape[1]
     device = x_q.device
     if backend == "reference":
@@ -314,7 +314,8 @@ def _fp8_gemm(x_q, sx, w_q, sw, group_sizes, recipe, fast_accum, backend, gather
         )
         if epilogue == "swiglu":
             return _ref.swiglu_epilogue(acc, dtype)
-        return _ref.swiglu_bwd_epilogue(acc, z, row_scale)
+        dz, hs, ds = _ref.swiglu_bwd_epilogue(acc, z, row_scale)
+        return dz, hs, ds, _amaxes(dz, hs, recipe)
     if not fp8_epilogue_split(x_q, w_q, R, recipe, fast_accum, epilogue):
         if epilogue == "swiglu":
             z = _ops.empty(R, N, dtype=dtype, device=device)
@@ -340,7 +341,7 @@ def _fp8_gemm(x_q, sx, w_q, sw, group_sizes, recipe, fast_accum, backend, gather
             x_q, sx, w_q, sw, group_sizes, dz, None, recipe, fast_accum, gather=gather, epilogue=epilogue, act=z,
             row_scale=row_scale, act_out=hs,
         )  # fmt: skip
-        return dz, hs, ds
+        return dz, hs, ds, _amaxes(dz, hs, recipe)
     # The split form: x's gathered FP8 rows (whole 16-byte storage rows) and their scales copied into expert order,
     # the plain launch (the warp-specialized kernel), the SwiGLU row kernel. The copy is freed before the row
     # kernel's outputs exist, and dh lives in s * h's buffer (the row kernel reads each tile of dh before it writes
@@ -362,8 +363,20 @@ def _fp8_gemm(x_q, sx, w_q, sw, group_sizes, recipe, fast_accum, backend, gather
     launch_m_grouped_fp8(xg, sx, w_q, sw, group_sizes, hs, None, recipe, fast_accum)
     del xg, sx
     dz = _ops.empty(R, 2 * N, dtype=dtype, device=device)
-    ds = launch_swiglu_bwd(hs, z, row_scale, dz, hs)
-    return dz, hs, ds
+    amax = torch.zeros(2, dtype=torch.float32, device=device) if recipe == "tensorwise" else None
+    ds = launch_swiglu_bwd(hs, z, row_scale, dz, hs, amax)
+    return dz, hs, ds, (None, None) if amax is None else (amax[:1], amax[1:])
+
+
+def _amaxes(dz: torch.Tensor, hs: torch.Tensor, recipe: str) -> tuple:
+    """Tensorwise: ([1] max |dz|, [1] max |hs|) fp32, what the split form's row kernel finds (one scale for each
+    tensor, not one per group); (None, None) for the other recipes."""
+    if recipe != "tensorwise":
+        return None, None
+    return tuple(
+        t.abs().amax().float().reshape(1) if t.numel() else t.new_zeros(1, dtype=torch.float32)
+        for t in (dz, hs)
+    )
 
 
 def _storage_rows(q: torch.Tensor) -> torch.Tensor:
@@ -431,7 +444,7 @@ def _fp8_backward(dout, x, x_q, sx, topk_weights, z, gather, pos, group_sizes, r
     R = gather.shape[0]
     dout = dout.contiguous()
     d_q, sd, _, _ = _ops.quantize_activation_views(dout, None, recipe, E4M3, False, backend)
-    dz, hs, ds = _fp8_gemm(
+    dz, hs, ds, (dz_amax, hs_amax) = _fp8_gemm(
         d_q,
         sd,
         w2_t,
@@ -453,11 +466,16 @@ def _fp8_backward(dout, x, x_q, sx, topk_weights, z, gather, pos, group_sizes, r
     del d_q, sd
     # Tensorwise has no transposed-copy-only quantize (its copy shares the data's group scale): it writes both.
     data = recipe == "tensorwise"
-    _, _, hs_t, shs_t = _ops.quantize_activation_views(hs, group_sizes, recipe, E4M3, True, backend, data)
+    # Tensorwise scales dz and s * h by their amax, which the SwiGLU backward found as it wrote them.
+    _, _, hs_t, shs_t = _ops.quantize_activation_views(
+        hs, group_sizes, recipe, E4M3, True, backend, data, hs_amax
+    )
     del hs
     dw2 = _ops.k_grouped_fp8(dout_t, sdout_t, hs_t, shs_t, group_sizes, R, recipe, False, backend, w_dtype)
     del dout_t, sdout_t, hs_t, shs_t
-    dz_q, sdz, dz_t, sdz_t = _ops.quantize_activation_views(dz, group_sizes, recipe, E4M3, True, backend)
+    dz_q, sdz, dz_t, sdz_t = _ops.quantize_activation_views(
+        dz, group_sizes, recipe, E4M3, True, backend, amax=dz_amax
+    )
     del dz
     dx_rows = _ops.m_grouped_fp8(
         dz_q, sdz, w13_t, sw13_t, group_sizes, None, recipe, dout.dtype, False, backend

@@ -172,14 +172,16 @@ def storage_shapes(shape, recipe: str, G: int, transpose: bool, data: bool = Tru
     return [(M, fp8.padded(K)), s_shape, data_t, scale_t]
 
 
-def _quantize_forward(x, group_sizes, recipe, dtype, transpose, G, backend, data=True):
+def _quantize_forward(x, group_sizes, recipe, dtype, transpose, G, backend, data=True, amax=None):
     shapes = storage_shapes(tuple(x.shape), recipe, G, transpose, data)
     weight = x.dim() == 3
     if backend == "reference":
         if weight:
             data, scale, data_t, scale_t = _ref.quantize_weight(x, recipe, dtype, transpose)
         else:
-            data, scale, data_t, scale_t = _ref.quantize_activation(x, group_sizes, recipe, dtype, transpose)
+            data, scale, data_t, scale_t = _ref.quantize_activation(
+                x, group_sizes, recipe, dtype, transpose, amax
+            )
         out = [empty(s, dtype=t, device=x.device) for s, t in zip(shapes, (dtype, torch.float32) * 2)]
         if out[0].numel():
             out[0][..., : data.shape[-1]].copy_(data)
@@ -210,7 +212,7 @@ def _quantize_forward(x, group_sizes, recipe, dtype, transpose, G, backend, data
         qt = data_t_s if transpose else None
         st = scale_s if recipe == "tensorwise" else scale_t_s
         launch_quantize_fp8(
-            x, group_sizes, recipe, q, s, qt, st if transpose else None, rows_per_group=M, G=G
+            x, group_sizes, recipe, q, s, qt, st if transpose else None, rows_per_group=M, G=G, amax=amax
         )
     return data_s, scale_s, data_t_s, scale_t_s
 
@@ -611,15 +613,22 @@ def quantize_gathered_t(x, gather, group_sizes, recipe: str, dtype, backend: str
 
 
 def quantize_activation_views(
-    t, group_sizes, recipe: str, dtype, transpose: bool, backend: str, data: bool = True
+    t, group_sizes, recipe: str, dtype, transpose: bool, backend: str, data: bool = True, amax=None
 ):
     """(data, scale, data_t, scale_t) of activations t [M, K] in row groups (group_sizes None: one group), as the
     GEMMs read them: data [M, K], scale [G] / [M] / [M, cdiv(K, 128)], data_t [K, M_t] and its scale_t.
-    data=False (rowwise, blockwise): the transposed copy alone, data and scale None."""
+    data=False (rowwise, blockwise): the transposed copy alone, data and scale None. ``amax`` (tensorwise, eager
+    calls): a [1] fp32 tensor every group's scale comes from, given, so no pass reads t to find it."""
     G = 1 if group_sizes is None else group_sizes.shape[0]
-    data_s, scale_s, data_t_s, scale_t_s = quantize(
-        t, group_sizes, recipe, dtype, transpose, G, backend, data
-    )
+    if amax is not None:
+        amax = amax.float().reshape(1).expand(G).contiguous()
+        data_s, scale_s, data_t_s, scale_t_s = _quantize_forward(
+            t, group_sizes, recipe, dtype, transpose, G, backend, data, amax
+        )
+    else:
+        data_s, scale_s, data_t_s, scale_t_s = quantize(
+            t, group_sizes, recipe, dtype, transpose, G, backend, data
+        )
     scale_t = scale_s if recipe == "tensorwise" else scale_t_s
     if not data:
         return None, None, data_t_s, scale_t

@@ -159,9 +159,9 @@ def dequantize_weight(data, scale, recipe, *, dtype=torch.float32) -> torch.Tens
 # ---------------------------------------------------------------- quantize twins
 
 
-def quantize_activation(x, group_sizes, recipe, dtype, transpose: bool):
+def quantize_activation(x, group_sizes, recipe, dtype, transpose: bool, amax=None):
     """(data, scale, data_t, scale_t) of activations x [M, K] (``moegemm._src.fp8`` layouts); data_t and
-    scale_t are None without ``transpose``."""
+    scale_t are None without ``transpose``. ``amax`` [G] (tensorwise): the groups' amax, given."""
     M, K = x.shape
     G = 1 if group_sizes is None else group_sizes.shape[0]
     bounds = [(0, M)] if group_sizes is None else group_bounds(group_sizes, M)
@@ -176,9 +176,9 @@ def quantize_activation(x, group_sizes, recipe, dtype, transpose: bool):
         t_cols.append(col)
         col += fp8.cdiv(end - start, fp8.ROW_ALIGN) * fp8.ROW_ALIGN
     if recipe == "tensorwise":
-        scale = scale_of(
-            torch.stack([xf[s:e].abs().amax() if e > s else xf.new_zeros(()) for s, e in bounds]), dtype
-        )
+        if amax is None:
+            amax = torch.stack([xf[s:e].abs().amax() if e > s else xf.new_zeros(()) for s, e in bounds])
+        scale = scale_of(amax, dtype)
         for g, (start, end) in enumerate(bounds):
             data[start:end] = cast(xf[start:end], scale[g], dtype)
             if transpose:
