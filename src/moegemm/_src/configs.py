@@ -107,6 +107,12 @@ class QuantizeConfig:
     pair_warps: int = 16
     pair_stages: int = 2
     pair_chunks: int = 8
+    # A transposed-copy launch that reads its rows through a row index (the FP8 expert block's wgrad operands):
+    # t_cols and t_warps for it. H100, DeepSeek-V3 EP8's R = 65536 rows of 7168 (ms, t_cols x warps 32x4 / 64x4 /
+    # 128x4 / 32x8 / 64x8 / 128x8): tensorwise from FP8 bytes 0.602 / 0.548 / 0.539 / 0.666 / 0.582 / 0.544,
+    # blockwise from bf16 0.866 / 0.818 / 0.901 / 1.158 / 1.062 / 1.307 (2026-11-27, journal 42).
+    gather_t_cols: int = 64
+    gather_t_warps: int = 4
 
 
 M, K = MGroupedConfig, KGroupedConfig

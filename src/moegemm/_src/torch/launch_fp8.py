@@ -6,6 +6,7 @@ memoized on static facts, and launches go through ``DirectLaunch`` like the BF16
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 import subprocess
@@ -454,6 +455,8 @@ def launch_quantize_fp8(
     if t_only:  # placeholders for the skipped data launch's pointers (q's dtype is the cast's)
         q, s = qt, st
     config, sms = _quantize_config(x.device)
+    if gather is not None:
+        config = dataclasses.replace(config, t_cols=config.gather_t_cols, t_warps=config.gather_t_warps)
     fp8_max = fp8.FP8_MAX[_dtype_name(q.dtype)]
     has_sizes = group_sizes is not None
     sizes = group_sizes if has_sizes else s  # an unread pointer when the groups are uniform
