@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DEVICE, needs_cuda
+from test_moe import fp64_grads
+from test_moe import make as _bf16_block
 
 from moegemm._src import plan
 from moegemm._src.torch import moe as _moe
@@ -14,7 +16,7 @@ from moegemm._src.torch import ops as _ops
 from moegemm._src.torch import reference as _ref
 from moegemm._src.torch.launch_fp8 import launch_swiglu, launch_swiglu_bwd
 from moegemm.testing.accuracy import relerr
-from moegemm.torch import Fp8WeightCache, moe_experts, moe_experts_reference
+from moegemm.torch import Fp8WeightCache, moe_experts
 
 RECIPES = ["tensorwise", "rowwise", "blockwise"]
 NAMES = ("out", "dx", "dweights", "dw13", "dw2")
@@ -32,19 +34,9 @@ TWIN_TOL = 5e-2
 FP32_TOL = 1e-5 if DEVICE == "cpu" else 1e-3
 
 
-def make(T, d, n, E, k, *, seed=0, ids=None, dtype=torch.bfloat16):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, d, generator=g)
-    if ids is None:
-        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else torch.zeros(0, k)
-    weights = torch.rand(T, k, generator=g) + 0.1
-    w13 = torch.randn(E, 2 * n, d, generator=g) / d**0.5
-    w2 = torch.randn(E, d, n, generator=g) / n**0.5
-    return (
-        x.to(DEVICE, dtype),
-        ids.to(DEVICE, torch.int64),
-        *[t.to(DEVICE, dtype) for t in (weights, w13, w2)],
-    )
+def make(T, d, n, E, k, *, seed=0, ids=None):
+    """``test_moe.make``'s block in bf16: [x, ids, weights, w13, w2]."""
+    return _bf16_block(T, d, n, E, k, dtype=torch.bfloat16, seed=seed, ids=ids)
 
 
 def run(backend, recipe, x, ids, weights, w13, w2, dout, caches=None):
@@ -57,20 +49,12 @@ def run(backend, recipe, x, ids, weights, w13, w2, dout, caches=None):
     return out.detach(), *[torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
 
 
-def oracle(x, ids, weights, w13, w2, dout):
-    leaves = [t.detach().cpu().double().requires_grad_() for t in (x, weights, w13, w2)]
-    out = moe_experts_reference(
-        leaves[0], ids.cpu(), leaves[1], leaves[2], leaves[3], compute_dtype=torch.float64
-    )
-    return out.detach(), *torch.autograd.grad(out, leaves, dout.cpu().double())
-
-
 def check_block(recipe, args, seed=0):
     g = torch.Generator().manual_seed(seed + 100)
     dout = torch.randn(args[0].shape, generator=g).to(DEVICE, args[0].dtype)
     got = run("triton", recipe, *args, dout)
     twin = run("reference", recipe, *args, dout)
-    want = oracle(*args, dout)
+    want = fp64_grads(*args, dout)
     for name, a, t, w in zip(NAMES, got, twin, want):
         assert torch.isfinite(a).all(), f"{recipe} {name}: non-finite (an unwritten output?)"
         assert relerr(a.cpu(), t.cpu()) <= TWIN_TOL, (

@@ -78,7 +78,16 @@ def _m_launch(
     M, N, K, G, recipe, dtype, device, max_stride, has_bias, fast_accum, gather=False, epilogue=""
 ) -> plan.Plan:
     """The Triton FP8 kernel's plan (no warp-specialized layout facts: the plan keeps the Triton kernel)."""
-    problem = plan.Problem(
+    problem = _m_problem(
+        M, N, K, G, recipe, dtype, max_stride, fast_accum, has_bias=has_bias, gather=("x",) if gather else (),
+        epilogue=epilogue,
+    )  # fmt: skip
+    return plan.plan(problem, _target(device), CAPABILITIES)
+
+
+def _m_problem(M, N, K, G, recipe, dtype, max_stride, fast_accum, **facts) -> plan.Problem:
+    """The FP8 m-grouped ``plan.Problem`` with the layout facts and options ``facts``."""
+    return plan.Problem(
         plan.M_GROUPED,
         M,
         N,
@@ -86,13 +95,10 @@ def _m_launch(
         G,
         _dtype_name(dtype),
         max_stride=max_stride,
-        has_bias=has_bias,
         recipe=recipe,
         fast_accum=fast_accum,
-        gather=("x",) if gather else (),
-        epilogue=epilogue,
+        **facts,
     )
-    return plan.plan(problem, _target(device), CAPABILITIES)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -112,20 +118,10 @@ def _m_ws_launch(
     )
     if not ws_layout:
         return None
-    problem = plan.Problem(
-        plan.M_GROUPED,
-        M,
-        N,
-        K,
-        G,
-        _dtype_name(dtype),
-        max_stride=max_stride,
-        has_bias=has_bias,
-        ws_layout=True,
+    problem = _m_problem(
+        M, N, K, G, recipe, dtype, max_stride, fast_accum, has_bias=has_bias, ws_layout=True,
         row_strides=(x_strides[0], w_strides[1]),
-        recipe=recipe,
-        fast_accum=fast_accum,
-    )
+    )  # fmt: skip
     chosen = plan.plan(problem, _target(device), CAPABILITIES)
     return chosen if chosen.kernel == "m_grouped_fp8_ws" else None
 
@@ -339,21 +335,10 @@ def _m_scale_strides(recipe: str, sx: torch.Tensor, sw: torch.Tensor) -> tuple[i
 
 @functools.lru_cache(maxsize=4096)
 def _epilogue_split(M, N, K, G, recipe, dtype, device, max_stride, fast_accum, epilogue, row_strides) -> bool:
-    problem = plan.Problem(
-        plan.M_GROUPED,
-        M,
-        N,
-        K,
-        G,
-        _dtype_name(dtype),
-        max_stride=max_stride,
-        recipe=recipe,
-        fast_accum=fast_accum,
-        gather=("x",),
-        epilogue=epilogue,
-        ws_layout=True,
+    problem = _m_problem(
+        M, N, K, G, recipe, dtype, max_stride, fast_accum, gather=("x",), epilogue=epilogue, ws_layout=True,
         row_strides=row_strides,
-    )
+    )  # fmt: skip
     return plan.fp8_epilogue_split(problem, _target(device), CAPABILITIES)
 
 

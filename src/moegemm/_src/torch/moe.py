@@ -165,16 +165,18 @@ def _backward(dout, x, topk_weights, w13, w2, z, gather, pos, group_sizes, row_s
     else:
         launch_k_grouped(dz, rows_of(x), group_sizes, dw13, False)
     del dz
-    # The routing weights' gradient <dout[t], y_row>: the fc2 epilogue's per-tile sums, added in tile order.
-    # An absent choice (pos -1, expert parallelism) has no row: its gradient is 0.
-    dweights = (
-        torch.where(pos >= 0, ds.sum(0)[pos.view(-1).long().clamp(min=0)].view(pos.shape), 0.0)
-        if R
-        else x.new_zeros(pos.shape, dtype=torch.float32)
-    )
-    # A non-finite weight counts as the constant 0 in the forward, so its gradient is 0 (as the reference twin's).
+    return dx, dw13, dw2, _routing_weight_grad(ds, pos, topk_weights)
+
+
+def _routing_weight_grad(ds, pos, topk_weights):
+    """The routing weights' gradient <dout[t], y_row> [T, k]: the fc2 dgrad's per-tile sums ds [*, R], added in tile
+    order. An absent choice (pos -1, expert parallelism) has no row: its gradient is 0; a non-finite weight counts as
+    the constant 0 in the forward, so its gradient is 0 (as the reference twin's)."""
+    if ds.shape[1] == 0:
+        return topk_weights.new_zeros(pos.shape)
+    dweights = torch.where(pos >= 0, ds.sum(0)[pos.view(-1).long().clamp(min=0)].view(pos.shape), 0.0)
     dweights = torch.where(torch.isfinite(topk_weights), dweights, 0.0)
-    return dx, dw13, dw2, dweights.to(topk_weights.dtype)
+    return dweights.to(topk_weights.dtype)
 
 
 # ---------------------------------------------------------------- custom ops (what tracing records)
@@ -487,13 +489,7 @@ def _fp8_backward(dout, x, x_q, sx, topk_weights, z, gather, pos, group_sizes, r
     x_t, sx_t = _rows_t(x, x_q, sx, gather, group_sizes, recipe, backend)
     dw13 = _ops.k_grouped_fp8(dz_t, sdz_t, x_t, sx_t, group_sizes, R, recipe, False, backend, w_dtype)
     del dz_t, sdz_t, x_t, sx_t
-    dweights = (
-        ds.sum(0)[pos.view(-1).long().clamp(min=0)].view(pos.shape)
-        if R
-        else dout.new_zeros(pos.shape, dtype=torch.float32)
-    )
-    dweights = torch.where(torch.isfinite(topk_weights), dweights, 0.0)
-    return dx, dw13, dw2, dweights.to(topk_weights.dtype)
+    return dx, dw13, dw2, _routing_weight_grad(ds, pos, topk_weights)
 
 
 @torch.library.custom_op("moegemm::moe_experts_fp8", mutates_args=())
