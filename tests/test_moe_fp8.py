@@ -16,7 +16,7 @@ from moegemm._src.torch import ops as _ops
 from moegemm._src.torch import reference as _ref
 from moegemm._src.torch.launch_fp8 import launch_swiglu, launch_swiglu_bwd
 from moegemm.testing.accuracy import relerr
-from moegemm.torch import Fp8WeightCache, moe_experts
+from moegemm.torch import Fp8WeightCache, MoE, moe_experts
 
 RECIPES = ["tensorwise", "rowwise", "blockwise"]
 NAMES = ("out", "dx", "dweights", "dw13", "dw2")
@@ -273,3 +273,23 @@ def test_tensorwise_wgrad_copy_moves_the_fp8_bytes():
         assert torch.equal(data_t[:, :20].view(torch.uint8), rows[:20].T), backend
         assert torch.equal(data_t[:, 32:57].view(torch.uint8), rows[20:].T), backend  # group 2 starts at 32
         assert torch.equal(scale_t, sx.expand(3)), backend
+
+
+def test_moe_layer_fp8_is_the_functional_block_and_keeps_the_weights_copies():
+    """MoE(fp8_recipe=) runs moe_experts(fp8_recipe=) on its router's choice; its FP8 weight copies are reused
+    until an optimizer step changes the weights."""
+    torch.manual_seed(0)
+    layer = MoE(128, 64, 4, 2, fp8_recipe="rowwise", backend="reference", dtype=torch.bfloat16, device=DEVICE)
+    x = torch.randn(10, 128, device=DEVICE, dtype=torch.bfloat16)
+    out = layer(x)
+    held = [c.storage for c in layer._fp8_caches]
+    weights, ids, _ = layer.router(x, layer.expert_bias)
+    want = moe_experts(x, ids, weights, layer.w13, layer.w2, fp8_recipe="rowwise", backend="reference")
+    assert torch.equal(out, want)
+    out.float().sum().backward()
+    assert layer(x) is not None and all(c.storage is h for c, h in zip(layer._fp8_caches, held))
+    torch.optim.SGD(layer.parameters(), lr=0.1).step()
+    layer(x)
+    assert all(c.storage is not h for c, h in zip(layer._fp8_caches, held)), "stale FP8 weights after a step"
+    with pytest.raises(NotImplementedError, match="ep_group"):
+        MoE(128, 64, 4, 2, fp8_recipe="rowwise", ep_group=object())

@@ -26,9 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moegemm._src import fp8
 from moegemm._src.moe import check_router
 from moegemm._src.torch import ep as _ep
 from moegemm._src.torch.args import Backend
+from moegemm.torch.grouped_linear import Fp8WeightCache
 from moegemm.torch.moe import moe_experts
 
 __all__ = ["MoE", "Router", "SwiGLU"]
@@ -139,6 +141,10 @@ class MoE(nn.Module):
     [r*E/P, (r+1)*E/P) only: ``w13`` [E/P, 2 * hidden_dim, dim], ``w2`` [E/P, dim, hidden_dim]; the router and
     the shared experts stay whole. ``chunks`` and ``max_tokens_per_rank`` go to ``moe_experts``. The ranks'
     configurations are checked to agree once, here (every rank raises otherwise).
+
+    ``fp8_recipe`` ("tensorwise", "rowwise", "blockwise"; docs/design.md, 'FP8 expert block'): the routed experts'
+    GEMMs in FP8; the module keeps w13's and w2's FP8 copies while the weights are unchanged (re-quantized after
+    each optimizer step; under torch.compile in every call). Single process only.
     """
 
     def __init__(
@@ -163,8 +169,17 @@ class MoE(nn.Module):
         ep_group=None,
         chunks: int = 1,
         max_tokens_per_rank: int | None = None,
+        fp8_recipe: str | None = None,
     ):
         super().__init__()
+        if fp8_recipe is not None:
+            fp8.check_recipe(fp8_recipe)
+            if ep_group is not None:
+                raise NotImplementedError(
+                    f"MoE: fp8_recipe={fp8_recipe!r} with ep_group: the FP8 expert block runs on one process only"
+                )
+        self.fp8_recipe = fp8_recipe
+        self._fp8_caches = (Fp8WeightCache(), Fp8WeightCache())
         if load_balance not in ("aux_loss", "bias", None):
             raise ValueError(f"MoE: load_balance must be 'aux_loss', 'bias' or None, got {load_balance!r}")
         if shared_experts < 0:
@@ -248,6 +263,9 @@ class MoE(nn.Module):
             ep_group=self.ep_group,
             chunks=self.chunks,
             max_tokens_per_rank=self.max_tokens_per_rank,
+            fp8_recipe=self.fp8_recipe,
+            # No Python-side cache in a traced graph (as GroupedLinear).
+            fp8_caches=None if torch.compiler.is_compiling() else self._fp8_caches,
         )
         if self.shared is not None:
             out = out + self.shared(x2d)
@@ -283,4 +301,5 @@ class MoE(nn.Module):
             f"top_k={self.top_k}, "
             f"score_func={r.score_func!r}, route_norm={r.route_norm}, route_scale={r.route_scale}, "
             f"groups={r.num_expert_groups}/{r.num_limited_groups}, load_balance={self.load_balance!r}"
+            + (f", fp8_recipe={self.fp8_recipe!r}" if self.fp8_recipe else "")
         )
