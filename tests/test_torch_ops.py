@@ -280,6 +280,7 @@ def test_public_api_is_declared():
 
     assert sorted(mt.__all__) == [
         "Fp8Tensor",
+        "Fp8WeightCache",
         "GroupedLinear",
         "MoE",
         "Router",
