@@ -734,36 +734,32 @@ def jax_footprint(shape: MoEShape) -> int:
     return 3 * shape.E * shape.d * shape.n + 5 * R * shape.n + R * shape.d
 
 
+def _ratios_to_bf16(records: list[dict], impls, field: str, over_bf16: bool) -> None:
+    """Each ok record of ``impls`` gets ``field``: its fwd and step device ms against the ``moegemm`` (BF16 torch)
+    record's for the same shape and routing, its own over BF16's (``over_bf16``) or BF16's over its own; None
+    where either is missing (not timed, or without CUDA)."""
+    base = {(r["shape"], r["routing"]): r for r in records if r["impl"] == "moegemm" and r["status"] == "ok"}
+    for r in records:
+        if r["impl"] not in impls or r["status"] != "ok":
+            continue
+        b = base.get((r["shape"], r["routing"]))
+        ratio = {}
+        for op in ("fwd", "step"):
+            own, bf16 = r.get(f"{op}_device_ms"), (b or {}).get(f"{op}_device_ms")
+            ratio[op] = (own / bf16 if over_bf16 else bf16 / own) if own and bf16 else None
+        r[field] = ratio if any(v is not None for v in ratio.values()) else None
+
+
 def add_jax_vs_torch(records: list[dict]) -> None:
     """Each ok moegemm-jax record gets ``jax_vs_torch``: its fwd and step device ms over the ``moegemm`` torch
     record's for the same shape and routing (None where either is missing: not timed, or without CUDA)."""
-    torch_recs = {
-        (r["shape"], r["routing"]): r for r in records if r["impl"] == "moegemm" and r["status"] == "ok"
-    }
-    for r in records:
-        if r["impl"] != "moegemm-jax" or r["status"] != "ok":
-            continue
-        t = torch_recs.get((r["shape"], r["routing"]))
-        ratio = {}
-        for op in ("fwd", "step"):
-            j_ms, t_ms = r.get(f"{op}_device_ms"), (t or {}).get(f"{op}_device_ms")
-            ratio[op] = j_ms / t_ms if j_ms and t_ms else None
-        r["jax_vs_torch"] = ratio if any(v is not None for v in ratio.values()) else None
+    _ratios_to_bf16(records, ("moegemm-jax",), "jax_vs_torch", over_bf16=True)
 
 
 def add_fp8_speedup(records: list[dict]) -> None:
     """Each ok FP8 record gets ``fp8_speedup``: the ``moegemm`` (BF16) record's fwd and step device ms over its own,
     same shape and routing (the issue's "BF16 time / FP8 time"; None where either is missing)."""
-    bf16 = {(r["shape"], r["routing"]): r for r in records if r["impl"] == "moegemm" and r["status"] == "ok"}
-    for r in records:
-        if r["impl"] not in FP8_PEERS or r["status"] != "ok":
-            continue
-        b = bf16.get((r["shape"], r["routing"]))
-        ratio = {}
-        for op in ("fwd", "step"):
-            f_ms, b_ms = r.get(f"{op}_device_ms"), (b or {}).get(f"{op}_device_ms")
-            ratio[op] = b_ms / f_ms if f_ms and b_ms else None
-        r["fp8_speedup"] = ratio if any(v is not None for v in ratio.values()) else None
+    _ratios_to_bf16(records, FP8_PEERS, "fp8_speedup", over_bf16=False)
 
 
 def run_cases(

@@ -595,14 +595,7 @@ def quantize_gathered_t(x, gather, group_sizes, recipe: str, dtype, backend: str
             else None
         )
         rows = x.index_select(0, gather.long()) if rows is None else rows
-        if recipe != "tensorwise":
-            return _ref.quantize_activation(rows, group_sizes, recipe, dtype, True)[2:]
-        scale = _ref.scale_of(amax, dtype)
-        cols, g, _ = _ref.transposed_columns_of_rows(group_sizes, R, x.device)
-        data_t = torch.zeros(C, fp8.transposed_columns(R, G), dtype=dtype, device=x.device)
-        owned = g < G
-        data_t[:, cols[owned]] = _ref.cast(rows[owned], scale[0], dtype).T
-        return data_t, scale
+        return _ref.quantize_activation(rows, group_sizes, recipe, dtype, True, amax)[2:]
     st_shape = fp8.activation_scale_shapes(recipe, R, C, G)[1]
     data_t = empty(C, fp8.transposed_columns(R, G), dtype=dtype, device=x.device)
     scale_t = _ref.scale_of(amax, dtype) if recipe == "tensorwise" else empty(st_shape, device=x.device)
