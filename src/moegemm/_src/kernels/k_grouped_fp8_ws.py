@@ -121,10 +121,27 @@ def _locate(tile, K, N, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: g
 
 
 @gluon.jit
+def _lead(col0, SCALING: gl.constexpr, BLOCK_R: gl.constexpr):
+    """Zero tokens before a group's first step, so every step's box starts at a 128-byte aligned column:
+    col0 % BLOCK_R (tensorwise, rowwise), 0 for blockwise, whose steps are the group's 128-token scale
+    blocks. A box straddling two 128-byte lines ran the launch at 0.66-0.70x of the aligned one
+    (docs/design.md, 'The FP8 wgrad')."""
+    if SCALING == 2:
+        return col0 * 0
+    return col0 % BLOCK_R
+
+
+@gluon.jit
+def _steps(rows, lead, BLOCK_R: gl.constexpr):
+    """A group's BLOCK_R-token steps after ``lead`` zero tokens; none for an empty group."""
+    return gl.where(rows > 0, gl.cdiv(rows + lead, BLOCK_R), 0)
+
+
+@gluon.jit
 def _loader(
     a_ptr, b_ptr, group_sizes_ptr, a_bufs, b_bufs, ready, empty, M, N, K, G, stride_ak, stride_bn,
     NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_R: gl.constexpr,
-    GROUP_M: gl.constexpr, BLOCK_G: gl.constexpr,
+    GROUP_M: gl.constexpr, BLOCK_G: gl.constexpr, SCALING: gl.constexpr,
 ):  # fmt: skip
     """Fills ring slot step % NUM_STAGES with each step's a [BLOCK_K, BLOCK_R] and b [BLOCK_N, BLOCK_R] tiles
     once both consumers released it. A box past the descriptor's extent (rows past Ka or Nb, tokens past the
@@ -144,19 +161,22 @@ def _loader(
         g, k0, n0 = _locate(tile, K, N, BLOCK_K, BLOCK_N, GROUP_M)
         rows = pick(rows_g, offs, g)
         col0 = pick(t_units, offs, g) * T_ALIGN
+        lead = _lead(col0, SCALING, BLOCK_R)
         if g != desc_g:  # a group's tiles are consecutive: one descriptor pair per group
             desc_g = g
-            col_end = col0 + gl.maximum(rows, 1)  # a nonzero extent; an empty group loads nothing
+            # Over the group's own columns (a nonzero extent; an empty group loads nothing): a box column
+            # before 0 or from rows on lands as zeros.
+            extent = gl.maximum(rows, 1)
             a_desc = tma.make_tensor_descriptor(
-                a_ptr, [K, col_end], [stride_ak, 1], [BLOCK_K, BLOCK_R], a_bufs.layout
+                a_ptr + col0, [K, extent], [stride_ak, 1], [BLOCK_K, BLOCK_R], a_bufs.layout
             )
             b_desc = tma.make_tensor_descriptor(
-                b_ptr, [N, col_end], [stride_bn, 1], [BLOCK_N, BLOCK_R], b_bufs.layout
+                b_ptr + col0, [N, extent], [stride_bn, 1], [BLOCK_N, BLOCK_R], b_bufs.layout
             )
-        for s in range(gl.cdiv(rows, BLOCK_R)):
+        for s in range(_steps(rows, lead, BLOCK_R)):
             slot, bar = acquire_slot_tx(ready, empty, step, STEP_BYTES)
-            tma_load(a_desc, [k0, col0 + s * BLOCK_R], bar, a_bufs.index(slot))
-            tma_load(b_desc, [n0, col0 + s * BLOCK_R], bar, b_bufs.index(slot))
+            tma_load(a_desc, [k0, s * BLOCK_R - lead], bar, a_bufs.index(slot))
+            tma_load(b_desc, [n0, s * BLOCK_R - lead], bar, b_bufs.index(slot))
             step += 1
 
 
@@ -186,9 +206,10 @@ def _consumer(
         k0 += HALF * SUB_K
         rows = pick(rows_g, offs, g)
         g_block = pick(block_base, offs, g)
+        lead = _lead(pick(t_units, offs, g) * T_ALIGN, SCALING, BLOCK_R)
         acc0 = gl.zeros([SUB_K, SUB_N], gl.float32, layout)
         acc1 = gl.zeros([SUB_K, SUB_N], gl.float32, layout)
-        for s in range(gl.cdiv(rows, BLOCK_R)):
+        for s in range(_steps(rows, lead, BLOCK_R)):
             slot = wait_slot(ready, step)
             a = a_bufs.index(slot).slice(HALF * SUB_K, SUB_K)
             blk = (g_block + s).to(gl.int64)  # blockwise: this step's 128-token scale block
@@ -331,7 +352,7 @@ def k_grouped_mm_fp8_ws_kernel(
         _loader,
         (
             a_ptr, b_ptr, group_sizes_ptr, a_bufs, b_bufs, ready, empty, M, N, K, G, stride_ak, stride_bn,
-            NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G,
+            NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G, SCALING,
         ),
         _consumer,
         (
