@@ -257,6 +257,11 @@ def test_gathered_transposed_quantize_writes_the_twins_bytes(recipe):
     # Blockwise scale_t has a row per group-aligned 128-token block in use (its storage is an upper bound).
     blocks = sum(-(-int(n) // 128) for n in sizes.tolist()) if recipe == "blockwise" else None
     assert torch.equal(got[1][:blocks], want[1][:blocks]), recipe
+    if recipe == "tensorwise":  # FP8 rows requantized at another scale (the cast path reads FP8 too)
+        x8 = (x.float() / 4).to(_moe.E4M3)
+        got = _ops.quantize_gathered_t(x8, gather, sizes, recipe, _moe.E4M3, "triton", amax)
+        want = _ops.quantize_gathered_t(x8, gather, sizes, recipe, _moe.E4M3, "reference", amax)
+        assert torch.equal(got[0][:, :used].view(torch.uint8), want[0][:, :used].view(torch.uint8))
 
 
 def test_tensorwise_wgrad_copy_moves_the_fp8_bytes():
@@ -272,6 +277,8 @@ def test_tensorwise_wgrad_copy_moves_the_fp8_bytes():
         rows = x_q.view(torch.uint8)[gather.long()]
         assert torch.equal(data_t[:, :20].view(torch.uint8), rows[:20].T), backend
         assert torch.equal(data_t[:, 32:57].view(torch.uint8), rows[20:].T), backend  # group 2 starts at 32
+        pad = torch.cat([data_t[:, 20:32], data_t[:, 57:64]], 1).view(torch.uint8)
+        assert (pad == 0).all(), f"{backend}: the groups' padding columns (the wgrad reads them) must be 0"
         assert torch.equal(scale_t, sx.expand(3)), backend
 
 

@@ -224,6 +224,9 @@ def fp8_quantize_tiles_kernel(
     # Rows by index (the expert block's wgrad copies of x[gather] and dy[gather]: docs/design.md, 'FP8 expert
     # block'): row r of the groups is x[gather[r]]; R counts gathered rows.
     GATHER: tl.constexpr = False,
+    # x is FP8 already, read as bytes (uint8), at the copy's scale: data_t takes its bytes, no cast (tensorwise's
+    # wgrad copies of the block's FP8 rows; docs/design.md, 'FP8 expert block'). WRITE_T only.
+    BYTES: tl.constexpr = False,
 ):
     # Program (row tile, column segment): one group-aligned BLOCK_R-row tile and CHUNKS column tiles,
     # so the group bookkeeping (a few reductions over BLOCK_G lanes) is paid once per CHUNKS tiles,
@@ -266,7 +269,7 @@ def fp8_quantize_tiles_kernel(
         x_base = x_ptr + src[:, None] * stride_xr
     else:
         x_base = x_ptr + row0 * stride_xr + offs_r[:, None] * stride_xr
-    if SCALING == 0:
+    if SCALING == 0 and not BYTES:
         # Scalar masks are refused by triton 3.9's interpreter: load in bounds, then select.
         inv = _inv(_scale(tl.where(g < G, tl.load(amax_ptr + tl.minimum(g, G - 1)), 0.0), FP8_MAX))
     if WRITE_T:
@@ -287,34 +290,39 @@ def fp8_quantize_tiles_kernel(
         n_tile = first + c  # a tensor in both modes (the interpreter's loop variable is an int)
         col0 = (n_tile * BLOCK_C).to(tl.int64)
         col_mask = offs_c < C - col0
-        x = tl.load(
-            x_base + (col0 + offs_c[None, :]) * stride_xc,
-            mask=load_mask[:, None] & col_mask[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        if SCALING == 0:
-            q = _cast(x, inv, FP8_MAX, dtype, EMULATE_CAST)
-        elif SCALING == 1:
-            if WRITE_Q:
-                row_scale = _scale(tl.max(tl.abs(x), 1), FP8_MAX)  # [BLOCK_R]: 1x128 along C
-                q = _cast(x, _inv(row_scale)[:, None], FP8_MAX, dtype, EMULATE_CAST)
-                s_ptrs = s_ptr + (row0 + offs_r) * stride_sr + n_tile.to(tl.int64) * stride_sc
-                tl.store(s_ptrs, row_scale, mask=row_mask)
-            else:
-                col_scale = _scale(tl.max(tl.abs(x), 0), FP8_MAX)  # [BLOCK_C]: 128x1 along R
-                q = _cast(x, _inv(col_scale)[None, :], FP8_MAX, dtype, EMULATE_CAST)
-                st_ptrs = (
-                    st_ptr + (block_base + m_tile).to(tl.int64) * stride_stb + (col0 + offs_c) * stride_stc
-                )
-                tl.store(st_ptrs, col_scale, mask=offs_c < tl.where(g < G, C - col0, 0))
+        x_ptrs = x_base + (col0 + offs_c[None, :]) * stride_xc
+        x_mask = load_mask[:, None] & col_mask[None, :]
+        if BYTES:
+            q = tl.load(x_ptrs, mask=x_mask, other=0)
         else:
-            block_scale = _scale(tl.max(tl.max(tl.abs(x), 1), 0), FP8_MAX)  # one per 128x128 block
-            q = _cast(x, _inv(block_scale), FP8_MAX, dtype, EMULATE_CAST)
-            s_off = (
-                g.to(tl.int64) * stride_sg + m_tile.to(tl.int64) * stride_sr + n_tile.to(tl.int64) * stride_sc
-            )
-            if WRITE_Q and g < G:
-                tl.store(s_ptr + s_off, block_scale)
+            x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+            if SCALING == 0:
+                q = _cast(x, inv, FP8_MAX, dtype, EMULATE_CAST)
+            elif SCALING == 1:
+                if WRITE_Q:
+                    row_scale = _scale(tl.max(tl.abs(x), 1), FP8_MAX)  # [BLOCK_R]: 1x128 along C
+                    q = _cast(x, _inv(row_scale)[:, None], FP8_MAX, dtype, EMULATE_CAST)
+                    s_ptrs = s_ptr + (row0 + offs_r) * stride_sr + n_tile.to(tl.int64) * stride_sc
+                    tl.store(s_ptrs, row_scale, mask=row_mask)
+                else:
+                    col_scale = _scale(tl.max(tl.abs(x), 0), FP8_MAX)  # [BLOCK_C]: 128x1 along R
+                    q = _cast(x, _inv(col_scale)[None, :], FP8_MAX, dtype, EMULATE_CAST)
+                    st_ptrs = (
+                        st_ptr
+                        + (block_base + m_tile).to(tl.int64) * stride_stb
+                        + (col0 + offs_c) * stride_stc
+                    )
+                    tl.store(st_ptrs, col_scale, mask=offs_c < tl.where(g < G, C - col0, 0))
+            else:
+                block_scale = _scale(tl.max(tl.max(tl.abs(x), 1), 0), FP8_MAX)  # one per 128x128 block
+                q = _cast(x, _inv(block_scale), FP8_MAX, dtype, EMULATE_CAST)
+                s_off = (
+                    g.to(tl.int64) * stride_sg
+                    + m_tile.to(tl.int64) * stride_sr
+                    + n_tile.to(tl.int64) * stride_sc
+                )
+                if WRITE_Q and g < G:
+                    tl.store(s_ptr + s_off, block_scale)
         if WRITE_Q:
             q_ptrs = q_ptr + (row0 + offs_r[:, None]) * stride_qr + (col0 + offs_c[None, :]) * stride_qc
             tl.store(q_ptrs, q, mask=row_mask[:, None] & col_mask[None, :])

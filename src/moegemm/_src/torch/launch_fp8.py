@@ -413,17 +413,24 @@ def launch_quantize_fp8(
     G: int,
     gather: torch.Tensor | None = None,
     amax: torch.Tensor | None = None,
+    move_bytes: bool = False,
 ) -> None:
     """Quantizes the rows of x [R, C] (a weight passes [G * N, K] with rows_per_group = N and no
     group_sizes) into q [R, C] and s, and, when qt is given, the transposed copy qt and st. Layouts
     are ``moegemm._src.fp8``'s; a weight's qt is [G, C, N] (group-local), an activation's [C, M_t].
     q and s None: the transposed copy alone (its own launch). ``gather`` int32 [R] (transposed copy alone): row r
     is x[gather[r]] (the expert block's wgrad operands, docs/design.md, 'FP8 expert block'); tensorwise then takes
-    its scales from ``amax`` [G], given (the launch computes no amax of gathered rows)."""
+    its scales from ``amax`` [G], given (the launch computes no amax of gathered rows). ``move_bytes``
+    (tensorwise, transposed copy alone): x is FP8 of qt's dtype at the copy's scale, and qt takes its bytes."""
     R, C = x.shape if gather is None else (gather.shape[0], x.shape[1])
-    if gather is not None and (q is not None or (recipe == "tensorwise" and amax is None)):
+    if gather is not None and (q is not None or (recipe == "tensorwise" and amax is None and not move_bytes)):
         raise ValueError(
             "a gathered quantize writes the transposed copy alone, and tensorwise takes its amax"
+        )
+    if move_bytes and (recipe != "tensorwise" or q is not None or qt is None or x.dtype != qt.dtype):
+        raise ValueError(
+            f"move_bytes: a tensorwise transposed copy alone of FP8 rows into their own dtype, got {recipe}, "
+            f"x {x.dtype}, data_t {None if qt is None else qt.dtype}, data {'given' if q is not None else None}"
         )
     if C == 0 or G == 0:
         return
@@ -492,6 +499,10 @@ def launch_quantize_fp8(
         return
     if recipe == "blockwise":
         scaling = qk.BLOCK_128X128 if s.dim() == 3 else qk.BLOCK_1X128
+    elif move_bytes:
+        # No scales: amax, s and st are unread pointers.
+        scaling, x = qk.TENSOR, x.view(torch.uint8)
+        amax = s = st = qt.view(torch.uint8)
     elif amax is not None:
         scaling = qk.TENSOR
     else:
@@ -548,6 +559,7 @@ def launch_quantize_fp8(
                 fp8_max,
                 wide,
                 gather is not None,
+                move_bytes,
             ),
             (
                 x,
@@ -578,6 +590,7 @@ def launch_quantize_fp8(
                 EMULATE_CAST=INTERPRET,
                 WIDE_OFFSETS=wide,
                 GATHER=gather is not None,
+                BYTES=move_bytes,
             ),
         )
 

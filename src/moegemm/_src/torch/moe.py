@@ -396,13 +396,11 @@ def _combine(rows, pos, weight, out_dtype, backend):
 
 def _rows_t(src, src_q, src_scale, gather, group_sizes, recipe, backend):
     """(data_t, scale_t) of the rows src[gather] in group_sizes' groups (a wgrad operand, ``_ops.quantize_gathered_t``).
-    Tensorwise moves the bytes of src's token-order FP8 copy src_q [T, *] (scale src_scale [1]): an amax of 448
-    makes the launch's scale 1, so each value is cast to itself; the other recipes requantize src."""
+    Tensorwise moves the bytes of src's token-order FP8 copy src_q [T, *] (scale src_scale [1]); the other
+    recipes requantize src."""
     if recipe != "tensorwise":
         return _ops.quantize_gathered_t(src, gather, group_sizes, recipe, E4M3, backend)
-    unit = torch.full((1,), fp8.FP8_MAX["float8_e4m3fn"], dtype=torch.float32, device=src_q.device)
-    data_t, _ = _ops.quantize_gathered_t(src_q, gather, group_sizes, recipe, E4M3, backend, unit)
-    return data_t, src_scale.expand(group_sizes.shape[0])
+    return _ops.gathered_t_bytes(src_q, gather, group_sizes, backend), src_scale.expand(group_sizes.shape[0])
 
 
 def _fp8_forward(x, topk_ids, topk_weights, w13_q, w2_q, recipe, backend):

@@ -605,6 +605,21 @@ def quantize_gathered_t(x, gather, group_sizes, recipe: str, dtype, backend: str
     return data_t, scale_t
 
 
+def gathered_t_bytes(x_q, gather, group_sizes, backend: str):
+    """data_t [C, M_t] of the FP8 rows x_q[gather] [R, C] in group_sizes' groups, their bytes unchanged: a
+    tensorwise wgrad operand at x_q's own scale (docs/design.md, 'FP8 expert block').
+    ``data_t[:, t_g + i] = x_q[gather[start_g + i]]``."""
+    R, C, G = gather.shape[0], x_q.shape[1], group_sizes.shape[0]
+    if backend == "reference":
+        return _ref.gathered_t_bytes(x_q, gather, group_sizes)
+    data_t = empty(C, fp8.transposed_columns(R, G), dtype=x_q.dtype, device=x_q.device)
+    launch_quantize_fp8(
+        x_q, group_sizes, "tensorwise", None, None, data_t, None, rows_per_group=R, G=G, gather=gather,
+        move_bytes=True,
+    )  # fmt: skip
+    return data_t
+
+
 def quantize_activation_views(
     t, group_sizes, recipe: str, dtype, transpose: bool, backend: str, data: bool = True, amax=None
 ):

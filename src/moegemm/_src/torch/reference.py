@@ -102,6 +102,17 @@ def transposed_columns_of_rows(
     return cols, torch.where(owned, rows, sizes.shape[0]), block_base[g] + local // fp8.SCALE_BLOCK
 
 
+def gathered_t_bytes(x_q, gather, group_sizes) -> torch.Tensor:
+    """The twin of ``ops.gathered_t_bytes``: x_q[gather]'s bytes in data_t's columns, zeros elsewhere."""
+    R, G = gather.shape[0], group_sizes.shape[0]
+    rows = x_q.view(torch.uint8).index_select(0, gather.long())
+    cols, g, _ = transposed_columns_of_rows(group_sizes, R, x_q.device)
+    data_t = torch.zeros(x_q.shape[1], fp8.transposed_columns(R, G), dtype=torch.uint8, device=x_q.device)
+    owned = g < G
+    data_t[:, cols[owned]] = rows[owned].T
+    return data_t.view(x_q.dtype)
+
+
 def _blocks(scale: torch.Tensor, dims: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
     for dim, size in zip(dims, sizes):
         scale = scale.repeat_interleave(fp8.SCALE_BLOCK, dim).narrow(dim, 0, size)
