@@ -108,11 +108,17 @@ class QuantizeConfig:
     pair_stages: int = 2
     pair_chunks: int = 8
     # A transposed-copy launch that reads its rows through a row index (the FP8 expert block's wgrad operands):
-    # t_cols and t_warps for it. H100, DeepSeek-V3 EP8's R = 65536 rows of 7168 (ms, t_cols x warps 32x4 / 64x4 /
-    # 128x4 / 32x8 / 64x8 / 128x8): tensorwise from FP8 bytes 0.602 / 0.548 / 0.539 / 0.666 / 0.582 / 0.544,
-    # blockwise from bf16 0.866 / 0.818 / 0.901 / 1.158 / 1.062 / 1.307 (2026-11-27, journal 42).
+    # t_cols, t_warps, t_chunks and num_stages for it. H100, DeepSeek-V3 EP8's R = 65536 rows of 7168 (ms, t_cols x
+    # warps 32x4 / 64x4 / 128x4 / 32x8 / 64x8 / 128x8, 8 chunks, 3 stages): tensorwise from FP8 bytes 0.602 /
+    # 0.548 / 0.539 / 0.666 / 0.582 / 0.544, blockwise from bf16 0.866 / 0.818 / 0.901 / 1.158 / 1.062 / 1.307
+    # (2026-11-27, journal 42). Without the cp.async pipeline of the gathered loads (1 stage) the same launches ran
+    # 1.3-2.0x faster; 64 x 4, chunks 4 / 8 / 16: DeepSeek-V3 EP8 bytes 0.285 / 0.268 / 0.268, blockwise 0.634 /
+    # 0.608 / 0.623; Qwen3-30B-A3B (262144 rows of 2048) bytes 0.368 / 0.420 / 0.483, blockwise 0.829 / 0.781 /
+    # 0.772 (2026-11-27, journal 43).
     gather_t_cols: int = 64
     gather_t_warps: int = 4
+    gather_t_chunks: int = 4
+    gather_stages: int = 1
 
 
 M, K = MGroupedConfig, KGroupedConfig

@@ -448,7 +448,13 @@ def launch_quantize_fp8(
         q, s = qt, st
     config, sms = _quantize_config(x.device)
     if gather is not None:
-        config = dataclasses.replace(config, t_cols=config.gather_t_cols, t_warps=config.gather_t_warps)
+        config = dataclasses.replace(
+            config,
+            t_cols=config.gather_t_cols,
+            t_warps=config.gather_t_warps,
+            t_chunks=config.gather_t_chunks,
+            num_stages=config.gather_stages,
+        )
     fp8_max = fp8.FP8_MAX[_dtype_name(q.dtype)]
     has_sizes = group_sizes is not None
     sizes = group_sizes if has_sizes else s  # an unread pointer when the groups are uniform
