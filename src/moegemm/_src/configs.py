@@ -99,8 +99,8 @@ class QuantizeConfig:
     t_warps: int = 4  # the transposed-copy launch's
     sweep_rows: int = 8
     sweep_cols: int = 512
-    col_block: int = 32
-    col_rows: int = 64
+    col_block: int = 64
+    col_rows: int = 256
     sweep_stages: int = 1
     # The one-read kernel (quantize_fp8.fp8_quantize_pair_kernel): warps holding a 128 x 128 tile (8 or 16),
     # tiles in its cp.async ring, 128-column tiles per program (quantize_fp8.pair_geometry).
@@ -119,6 +119,11 @@ class QuantizeConfig:
     gather_t_warps: int = 4
     gather_t_chunks: int = 4
     gather_stages: int = 1
+    # The rowwise transposed-copy launch (col_block columns a program, col_rows rows a step): H100, the FP8
+    # block's gathered x and expert-order dz (2026-11-27, journal 43; ms, DeepSeek-V3 EP8 skewed / Qwen3-30B-A3B
+    # skewed): 32 x 64, 4 warps (before) 1.057, 0.640 / 1.299, 1.030; 64 x 128, 4 warps 0.894, 0.541 / 1.055,
+    # 0.845; 64 x 256, 8 warps 0.885, 0.543 / 1.034, 0.803; 2 cp.async stages 2.4-2.6x slower.
+    col_warps: int = 8
 
 
 M, K = MGroupedConfig, KGroupedConfig

@@ -245,7 +245,7 @@ def quantize_cols_call(
         T_GROUP_LOCAL=t_local_n > 0,
         FP8_MAX=fp8_max(dtype),
         EMULATE_CAST=target.name == "interpret",
-        num_warps=4,
+        num_warps=config.col_warps,
     )
     grid = (G * triton.cdiv(C, config.col_block),)
     outs = (qt, _sds((G, C), jnp.float32))

@@ -498,7 +498,7 @@ def launch_quantize_fp8(
                         FP8_MAX=fp8_max,
                         EMULATE_CAST=INTERPRET,
                         GATHER=gather is not None,
-                        num_warps=4,
+                        num_warps=config.col_warps,
                     ),
                 ),
             )
