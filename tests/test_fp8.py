@@ -661,6 +661,33 @@ def test_k_grouped_fp8_warp_specialized(recipe, block_n, mode, out_dtype, M, K, 
     buffer (every element written; fp32 or bf16) or accumulated into main_grad (an empty group's left
     bit-identical), each tile width. Odd N and the dirichlet case end out[g] inside a half tile (the
     register-store path); a spy makes sure it is that kernel that ran."""
+    _check_k_grouped_fp8_ws(recipe, block_n, mode, out_dtype, M, K, N, sizes, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned-steps", "group-start-steps"])
+@pytest.mark.parametrize("mode,out_dtype", [("store", torch.bfloat16), ("accumulate", torch.float32)])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize(
+    "M,K,N,sizes",
+    [(300, 256, 384, [100, 0, 150, 20]), (129, 48, 33, [64, 1, 64]), (2000, 320, 192, [900, 0, 1100])],
+    ids=["skew-empty-tail", "odd-dims", "long-groups"],
+)
+def test_k_grouped_fp8_warp_specialized_step_alignment(
+    aligned, mode, out_dtype, recipe, M, K, N, sizes, monkeypatch
+):
+    """Both step placements of the warp-specialized wgrad (``ALIGN_MIN_ROWS`` picks by the mean group size):
+    steps from 128-byte aligned token columns, zeros before each group's first token (a box at a negative
+    column), and steps from each group's first token."""
+    from moegemm._src.kernels import k_grouped_fp8_ws
+    from moegemm._src.torch import launch_fp8 as _launch_fp8
+
+    monkeypatch.setattr(k_grouped_fp8_ws, "ALIGN_MIN_ROWS", 0 if aligned else 2**30)
+    _launch_fp8.clear_launch_cache()  # launch descriptions are memoized on static facts
+    _check_k_grouped_fp8_ws(recipe, 256, mode, out_dtype, M, K, N, sizes, monkeypatch)
+
+
+def _check_k_grouped_fp8_ws(recipe, block_n, mode, out_dtype, M, K, N, sizes, monkeypatch):
     from moegemm._src import configs
     from moegemm._src.torch import launch_fp8 as _launch_fp8
 

@@ -79,6 +79,11 @@ __all__ = ["BLOCK_K", "SUB_N", "KGroupedFp8WsLaunch", "TensorDescriptor", "suppo
 
 BLOCK_K = 128  # out rows per tile: two consumer warpgroups of 64
 BLOCK_R = 128  # tokens a step: one 128-token scale block (blockwise), 128 bytes of a TMA row
+# Mean tokens a group from which the steps start 128-byte aligned (``_lead``). H100, 2026-11-27 (journal 43),
+# bf16 dW, tensorwise, against the unaligned steps: +9-14% at 1024 (dsv3-ep8-fc1), +27-33% on the FP8 block's
+# skewed groups (2048 on average), -6% at 683 (kimi-k2-ep8-fc1: the extra step a group outweighed the aligned
+# loads), -5% rowwise at 128 (qwen3-30b-fc1).
+ALIGN_MIN_ROWS = 1024
 SUB_N = (
     128  # out columns a wgmma, a staging tile and a TMA store take (out_desc's block); BLOCK_N 256: two parts
 )
@@ -121,14 +126,15 @@ def _locate(tile, K, N, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: g
 
 
 @gluon.jit
-def _lead(col0, SCALING: gl.constexpr, BLOCK_R: gl.constexpr):
-    """Zero tokens before a group's first step, so every step's box starts at a 128-byte aligned column:
-    col0 % BLOCK_R (tensorwise, rowwise), 0 for blockwise, whose steps are the group's 128-token scale
-    blocks. A box straddling two 128-byte lines ran the launch at 0.66-0.70x of the aligned one
-    (docs/design.md, 'The FP8 wgrad')."""
-    if SCALING == 2:
-        return col0 * 0
-    return col0 % BLOCK_R
+def _lead(col0, SCALING: gl.constexpr, BLOCK_R: gl.constexpr, ALIGN_STEPS: gl.constexpr):
+    """Zero tokens before a group's first step. ALIGN_STEPS (tensorwise, rowwise): col0 % BLOCK_R, so every
+    step's box starts at a 128-byte aligned column; a box straddling two 128-byte lines ran the launch at
+    0.66-0.70x of the aligned one, and a group may take one step more (docs/design.md, 'The FP8 wgrad').
+    Otherwise 0; always 0 for blockwise, whose steps are the group's 128-token scale blocks."""
+    lead = col0 % BLOCK_R
+    if SCALING == 2 or not ALIGN_STEPS:
+        lead = lead * 0
+    return lead
 
 
 @gluon.jit
@@ -141,7 +147,7 @@ def _steps(rows, lead, BLOCK_R: gl.constexpr):
 def _loader(
     a_ptr, b_ptr, group_sizes_ptr, a_bufs, b_bufs, ready, empty, M, N, K, G, stride_ak, stride_bn,
     NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_R: gl.constexpr,
-    GROUP_M: gl.constexpr, BLOCK_G: gl.constexpr, SCALING: gl.constexpr,
+    GROUP_M: gl.constexpr, BLOCK_G: gl.constexpr, SCALING: gl.constexpr, ALIGN_STEPS: gl.constexpr,
 ):  # fmt: skip
     """Fills ring slot step % NUM_STAGES with each step's a [BLOCK_K, BLOCK_R] and b [BLOCK_N, BLOCK_R] tiles
     once both consumers released it. A box past the descriptor's extent (rows past Ka or Nb, tokens past the
@@ -161,7 +167,7 @@ def _loader(
         g, k0, n0 = _locate(tile, K, N, BLOCK_K, BLOCK_N, GROUP_M)
         rows = pick(rows_g, offs, g)
         col0 = pick(t_units, offs, g) * T_ALIGN
-        lead = _lead(col0, SCALING, BLOCK_R)
+        lead = _lead(col0, SCALING, BLOCK_R, ALIGN_STEPS)
         if g != desc_g:  # a group's tiles are consecutive: one descriptor pair per group
             desc_g = g
             # Over the group's own columns (a nonzero extent; an empty group loads nothing): a box column
@@ -185,7 +191,7 @@ def _consumer(
     out_desc, out_ptr, sa_ptr, sb_ptr, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, M, N, K, G,
     stride_sag, stride_sak, stride_sbg, stride_sbn, NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_R: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_G: gl.constexpr,
-    ACCUMULATE: gl.constexpr, SCALING: gl.constexpr, HALF: gl.constexpr,
+    ACCUMULATE: gl.constexpr, SCALING: gl.constexpr, ALIGN_STEPS: gl.constexpr, HALF: gl.constexpr,
 ):  # fmt: skip
     """Rows [HALF * 64, HALF * 64 + 64) of every output tile: per step and 128-column part, wgmma -> wait ->
     promote (``_part``), the slot released after the last part's wgmma; then each part's ``_epilogue``. A
@@ -206,7 +212,7 @@ def _consumer(
         k0 += HALF * SUB_K
         rows = pick(rows_g, offs, g)
         g_block = pick(block_base, offs, g)
-        lead = _lead(pick(t_units, offs, g) * T_ALIGN, SCALING, BLOCK_R)
+        lead = _lead(pick(t_units, offs, g) * T_ALIGN, SCALING, BLOCK_R, ALIGN_STEPS)
         acc0 = gl.zeros([SUB_K, SUB_N], gl.float32, layout)
         acc1 = gl.zeros([SUB_K, SUB_N], gl.float32, layout)
         for s in range(_steps(rows, lead, BLOCK_R)):
@@ -339,6 +345,7 @@ def k_grouped_mm_fp8_ws_kernel(
     BLOCK_G: gl.constexpr,
     ACCUMULATE: gl.constexpr,
     SCALING: gl.constexpr,
+    ALIGN_STEPS: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,  # setmaxnreg of each consumer warpgroup; the loader gets the rest
 ):
@@ -352,13 +359,13 @@ def k_grouped_mm_fp8_ws_kernel(
         _loader,
         (
             a_ptr, b_ptr, group_sizes_ptr, a_bufs, b_bufs, ready, empty, M, N, K, G, stride_ak, stride_bn,
-            NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G, SCALING,
+            NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, BLOCK_G, SCALING, ALIGN_STEPS,
         ),
         _consumer,
         (
             out_desc, out_ptr, sa_ptr, sb_ptr, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, M, N, K, G,
             stride_sag, stride_sak, stride_sbg, stride_sbn, NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M,
-            BLOCK_G, ACCUMULATE, SCALING,
+            BLOCK_G, ACCUMULATE, SCALING, ALIGN_STEPS,
         ),
         CONSUMER_REGS,
     )  # fmt: skip
@@ -402,6 +409,7 @@ class KGroupedFp8WsLaunch:
             BLOCK_G=max(16, triton.next_power_of_2(G)),
             ACCUMULATE=accumulate,
             SCALING=SCALINGS[recipe],
+            ALIGN_STEPS=M >= ALIGN_MIN_ROWS * G,
             NUM_STAGES=stages,
             CONSUMER_REGS=config.consumer_regs,
             num_warps=LOADER_WARPS,
