@@ -371,6 +371,24 @@ def test_quantize_tiles_geometry_covers_every_tile(R, C, G, write_q):
         assert grid[0] * fp8.cdiv(col_tiles, 2 * chunks) < 16 * sms
 
 
+@pytest.mark.parametrize(
+    "R, C, G", [(16384, 2048, 128), (65536, 7168, 32), (255, 40, 1), (256, 40, 1), (0, 8, 4)]
+)
+def test_quantize_cols_geometry_picks_the_tile_by_mean_group_rows(R, C, G):
+    """The rowwise transposed copy: the long-group tile from COL_LONG_MIN_ROWS rows a group on average, the short
+    one below (qwen3-30b-fc1's 128 rows a group); a program per (group, column block) either way."""
+    from moegemm._src import configs
+    from moegemm._src.kernels import quantize_fp8 as qk
+
+    config = configs.QuantizeConfig()
+    block_r, block_c, warps, grid = qk.cols_geometry(R, C, G, config)
+    long = R >= qk.COL_LONG_MIN_ROWS * G
+    columns, rows, warps_short = config.col_short
+    want = (config.col_rows, config.col_block, config.col_warps) if long else (rows, columns, warps_short)
+    assert (block_r, block_c, warps) == want, (R, G)
+    assert grid == (G * fp8.cdiv(C, block_c),)
+
+
 @pytest.mark.parametrize("write_q", [True, False], ids=["data", "data_t"])
 @pytest.mark.parametrize("scaling", [0, 1, 2], ids=["tensor", "1x128", "128x128"])
 def test_quantize_tile_shape_is_the_launch_tile(scaling, write_q):

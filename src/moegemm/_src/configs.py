@@ -122,8 +122,10 @@ class QuantizeConfig:
     # The rowwise transposed-copy launch (col_block columns a program, col_rows rows a step): H100, the FP8
     # block's gathered x and expert-order dz (2026-11-27, journal 43; ms, DeepSeek-V3 EP8 skewed / Qwen3-30B-A3B
     # skewed): 32 x 64, 4 warps (before) 1.057, 0.640 / 1.299, 1.030; 64 x 128, 4 warps 0.894, 0.541 / 1.055,
-    # 0.845; 64 x 256, 8 warps 0.885, 0.543 / 1.034, 0.803; 2 cp.async stages 2.4-2.6x slower.
+    # 0.845; 64 x 256, 8 warps 0.885, 0.543 / 1.034, 0.803; 2 cp.async stages 2.4-2.6x slower. Groups averaging
+    # under quantize_fp8.COL_LONG_MIN_ROWS rows keep col_short (columns, rows a step, warps), the earlier tile.
     col_warps: int = 8
+    col_short: tuple[int, int, int] = (32, 64, 4)
 
 
 M, K = MGroupedConfig, KGroupedConfig
@@ -240,7 +242,10 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
         (WsConfig(256, 64, 4), "128 x 256 x 64, TMA loader and store, 4-deep ring, one shared staging tile"),
     ],
     ("quantize_fp8", "interpret"): [
-        (QuantizeConfig(32, 32, 8, 8, 4, 1, 4, 8, 32, 32, 16, 1), "interpreter: small tiles")
+        (
+            QuantizeConfig(32, 32, 8, 8, 4, 1, 4, 8, 32, 32, 16, 1, col_short=(32, 16, 4)),
+            "interpreter: small tiles",
+        )
     ],
     ("quantize_fp8", "sm90"): [
         (

@@ -221,6 +221,7 @@ def quantize_cols_call(
     or [G, C, t_local_n] for a weight (R = G * N rows, t_local_n = padded(N))."""
     R, C = x.shape
     config = _quantize_config(target)
+    block_r, block_c, warps, grid = qk.cols_geometry(R, C, G, config)
     if t_local_n:
         qt, t_strides = _sds((G, C, t_local_n), jnp.uint8), (C * t_local_n, t_local_n, 1)
     else:
@@ -237,17 +238,16 @@ def quantize_cols_call(
         stride_tr=t_strides[2],
         stride_stg=C,
         stride_stc=1,
-        BLOCK_R=config.col_rows,
-        BLOCK_C=config.col_block,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
         BLOCK_G=_block_g(G),
         HAS_SIZES=group_sizes is not None,
         NUM_STAGES=config.sweep_stages,
         T_GROUP_LOCAL=t_local_n > 0,
         FP8_MAX=fp8_max(dtype),
         EMULATE_CAST=target.name == "interpret",
-        num_warps=config.col_warps,
+        num_warps=warps,
     )
-    grid = (G * triton.cdiv(C, config.col_block),)
     outs = (qt, _sds((G, C), jnp.float32))
     return KernelCall(qk.fp8_quantize_cols_kernel, grid, (x, _sizes_arg(group_sizes, x), x), outs, meta, {})
 

@@ -82,6 +82,24 @@ def tiles_geometry(
     return block_r, block_c, chunks, warps, (row_tiles, triton.cdiv(col_tiles, chunks))
 
 
+# Mean rows a group from which the rowwise transposed copy takes its long-group tile (QuantizeConfig.col_block,
+# col_rows, col_warps). H100, 2026-11-27 (journal 43): the FP8 block's copies (2048 rows a group on average) ran
+# 1.15-1.26x faster with it and dsv3-ep8-fc1's (1024) 1.08x; qwen3-30b-fc1's (128) read 0.155 ms against 0.140
+# with the short-group tile (col_short), its 256-row steps mostly masked.
+COL_LONG_MIN_ROWS = 256
+
+
+def cols_geometry(R: int, C: int, G: int, config) -> tuple[int, int, int, tuple[int]]:
+    """(BLOCK_R, BLOCK_C, num_warps, grid) of a fp8_quantize_cols_kernel launch over R rows of C columns in G
+    groups: a program per (group, column block); groups averaging under ``COL_LONG_MIN_ROWS`` rows take
+    ``config.col_short`` (columns, rows a step, warps)."""
+    if R >= COL_LONG_MIN_ROWS * max(G, 1):
+        block_c, block_r, warps = config.col_block, config.col_rows, config.col_warps
+    else:
+        block_c, block_r, warps = config.col_short
+    return block_r, block_c, warps, (G * triton.cdiv(C, block_c),)
+
+
 @triton.jit
 def _scale(amax, FP8_MAX: tl.constexpr):
     """The dequantization factor of a block with this amax; a block of zeros gets 1 (never 0 or inf)."""

@@ -486,20 +486,18 @@ def launch_quantize_fp8(
                 ("cols", x.device, R, C, G, has_sizes, qt.dim(), fp8_max, gather is not None),
                 (x, sizes, sizes if gather is None else gather, qt.view(torch.uint8), st),
                 (R, C, G, rows_per_group, *x.stride(), *t_strides, *st.stride()),
-                lambda: _Grid(
-                    (G * triton.cdiv(C, config.col_block),),
-                    dict(
-                        BLOCK_R=config.col_rows,
-                        BLOCK_C=config.col_block,
-                        BLOCK_G=bg,
-                        HAS_SIZES=has_sizes,
-                        NUM_STAGES=config.sweep_stages,
-                        T_GROUP_LOCAL=qt.dim() == 3,
-                        FP8_MAX=fp8_max,
-                        EMULATE_CAST=INTERPRET,
-                        GATHER=gather is not None,
-                        num_warps=config.col_warps,
-                    ),
+                lambda: _cols_grid(
+                    R,
+                    C,
+                    G,
+                    config,
+                    BLOCK_G=bg,
+                    HAS_SIZES=has_sizes,
+                    NUM_STAGES=config.sweep_stages,
+                    T_GROUP_LOCAL=qt.dim() == 3,
+                    FP8_MAX=fp8_max,
+                    EMULATE_CAST=INTERPRET,
+                    GATHER=gather is not None,
                 ),
             )
         return
@@ -618,6 +616,12 @@ def _pair_grid(R, C, G, block_g, has_sizes, config, sms, scaling, t_local, fp8_m
             num_warps=config.pair_warps,
         ),
     )
+
+
+def _cols_grid(R, C, G, config, **meta) -> _Grid:
+    """The rowwise transposed-copy launch's description (``qk.cols_geometry``). Built on a miss only."""
+    block_r, block_c, warps, grid = qk.cols_geometry(R, C, G, config)
+    return _Grid(grid, dict(BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps, **meta))
 
 
 def _tiles_grid(R, C, G, scaling, write_q, block_g, has_sizes, config, sms, **meta) -> _Grid:
