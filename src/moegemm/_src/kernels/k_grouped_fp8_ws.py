@@ -16,10 +16,11 @@ Why TMA at both ends (docs/design.md, 'The FP8 wgrad'): on dsv3-ep8-fc1 a 128-ro
 tokens in 8 steps and then writes 64 KB of fp32 dW (3.76 GB a launch, 1.25 ms of HBM). A cp.async loader
 issues 2 x 1024 16-byte copies a step from four warps; stores from registers keep the consumers off
 their wgmma until the tile is written. Here:
-- ``_loader``: makes a descriptor pair per group on the device, over a_t [Ka, col_end] and b_t [Nb,
-  col_end] with col_end the group's last token column (the copy engine zero-fills past it, so no step
-  adds the next group's tokens), and issues two bulk copies a step into the ring. Descriptors need
-  Triton's global scratch (the front end's allocator).
+- ``_loader``: makes a descriptor pair per group on the device, over the group's own token columns of a_t
+  and b_t (the copy engine zero-fills box columns outside them, so no step adds a neighbour group's tokens),
+  and issues two bulk copies a step into the ring; with ``ALIGN_STEPS`` the first box starts before the
+  group, at a 128-byte aligned column (``_lead``). Descriptors need Triton's global scratch (the front end's
+  allocator).
 - ``_consumer``: per step and 128-column part (a 256-wide tile has two), wgmma -> wait -> promote
   (blockwise: this step's scale vectors, read from global memory under the wgmma), the slot released after
   the last part's wgmma; then each part's epilogue: the accumulator goes through this consumer's staging
