@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 import moegemm.jax as mj
 from moegemm import shapes
 from moegemm._src import fp8, layout
+from moegemm._src.jax import gpu as _gpu
 from moegemm._src.jax import interpret as _interpret
-from moegemm._src.jax import jax_triton as _jax_triton
 from moegemm._src.layout import group_bounds
 from moegemm.jax import api, reference
 from moegemm.testing import oracle
@@ -429,7 +429,7 @@ GPU_SIZED = [(c.name, c.M, c.K, c.N, shapes.group_sizes(c.M, c.G, seed=1, empty=
 
 class TestTriton(JaxOpsTest):
     BACKEND = "triton"
-    pytestmark = [pytest.mark.gpu, skip_unless_runs("triton", _jax_triton.available())]
+    pytestmark = [pytest.mark.gpu, skip_unless_runs("triton", _gpu.available())]
 
     @pytest.mark.parametrize("dtype", DTYPES, ids=str)
     @pytest.mark.parametrize("name, M, K, N, sizes", GPU_SIZED, ids=[c[0] for c in GPU_SIZED])
@@ -867,6 +867,38 @@ class JaxFp8Test:
         exact_out = grouped(x, np.swapaxes(np.asarray(w, np.float64), 1, 2), sizes, M)
         assert relerr(out, exact_out) < 0.1
 
+    @pytest.mark.parametrize("recipe", RECIPES)
+    def test_ragged_dot_fp8_with_rhs_quantized_once(self, recipe):
+        """rhs_fp8 (rhs quantized once, kept across steps) runs the same FP8 products as quantizing inside: out,
+        dx and dw bit for bit, under jit; dw still comes back in rhs's dtype. Wrong copies raise, naming them."""
+        M, K, N, sizes = 64, 72, 40, [20, 0, 34, 6]
+        x, w, dy = _inputs(11, M, K, N, len(sizes), jnp.bfloat16)
+        gs = jnp.asarray(sizes, jnp.int32)
+        w_q = mj.quantize_fp8(w, recipe, transpose=True, backend=self.BACKEND)
+
+        def step(x, w, w_q):
+            f = lambda a, b: mj.ragged_dot(a, b, gs, fp8_recipe=recipe, rhs_fp8=w_q, backend=self.BACKEND)  # noqa: E731
+            out, vjp = jax.vjp(f, x, w)
+            return out, *vjp(dy)
+
+        got = jax.jit(step)(x, w, w_q)
+        want = jax.jit(step)(x, w, None)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        assert got[2].dtype == w.dtype and np.abs(np.asarray(got[2], np.float32)).max() > 0
+        # The copy is what the step reads: a different one gives a different product.
+        other = mj.quantize_fp8(w * 2, recipe, transpose=True, backend=self.BACKEND)
+        assert not np.array_equal(np.asarray(jax.jit(step)(x, w, other)[0]), np.asarray(got[0]))
+        with pytest.raises(TypeError, match="transpose=True"):
+            mj.ragged_dot(
+                x, w, gs, fp8_recipe=recipe, rhs_fp8=mj.quantize_fp8(w, recipe, backend=self.BACKEND)
+            )
+        wrong = "rowwise" if recipe != "rowwise" else "tensorwise"
+        with pytest.raises(ValueError, match="needs the same"):
+            mj.ragged_dot(x, w, gs, fp8_recipe=wrong, rhs_fp8=w_q, backend=self.BACKEND)
+        with pytest.raises(ValueError, match="pass fp8_recipe"):
+            mj.ragged_dot(x, w, gs, rhs_fp8=w_q, backend=self.BACKEND)
+
     @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
     def test_fast_accumulation(self, recipe):
         """fast_accum lets the tensor cores accumulate all of K (torch's use_fast_accum): within the
@@ -957,7 +989,7 @@ class JaxFp8Test:
 
 
 @pytest.mark.gpu
-@skip_unless_runs("triton", _jax_triton.available())
+@skip_unless_runs("triton", _gpu.available())
 class TestFp8Triton(JaxFp8Test):
     BACKEND = "triton"
 

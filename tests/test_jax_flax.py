@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moegemm._src.jax import gpu as _gpu
 from moegemm._src.jax import interpret as _interpret
-from moegemm._src.jax import jax_triton as _jax_triton
 from moegemm.testing import oracle
 
 nn = pytest.importorskip("flax.linen", reason="flax is an optional dependency of moegemm.jax")
@@ -27,7 +27,7 @@ def _runs(backend, reason):
 
 @pytest.fixture(
     params=[
-        pytest.param("triton", marks=[pytest.mark.gpu, _runs("triton", _jax_triton.available())]),
+        pytest.param("triton", marks=[pytest.mark.gpu, _runs("triton", _gpu.available())]),
         pytest.param("interpret", marks=_runs("interpret", _interpret.available())),
     ]
 )

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import moegemm.jax as mj
+from moegemm._src.jax import gpu as _gpu
 from moegemm._src.jax import interpret as _interpret
-from moegemm._src.jax import jax_triton as _jax_triton
 from moegemm._src.jax import moe as _moe
 from moegemm.testing import oracle
 from moegemm.testing.accuracy import relerr
@@ -213,7 +213,7 @@ class TestReference(MoeExpertsTest):
 
 class TestTriton(MoeExpertsTest):
     BACKEND = "triton"
-    pytestmark = [pytest.mark.gpu, _runs("triton", _jax_triton.available())]
+    pytestmark = [pytest.mark.gpu, _runs("triton", _gpu.available())]
 
     def test_real_sized_block(self):
         """A block with 128-row tiles and several experts' worth of rows: the GPU's tiles, not the interpreter's."""

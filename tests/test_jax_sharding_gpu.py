@@ -17,7 +17,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moegemm.jax as mj
-from moegemm._src.jax import jax_triton as _jax_triton
+from moegemm._src.jax import gpu as _gpu
 from moegemm.jax import collective_gemm, reference
 from moegemm.jax import sharding as msh
 from moegemm.testing.hlo import COLLECTIVES, collectives_in_hlo
@@ -31,7 +31,7 @@ def _gpus() -> list:
 
 
 N = min(len(_gpus()), 4)
-_TRITON = _jax_triton.available()
+_TRITON = _gpu.available()
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(N < 2, reason=f"needs >= 2 GPUs visible to JAX, found {len(_gpus())}"),

@@ -194,8 +194,8 @@ class Capabilities:
     """What a front end's launcher can pass to a kernel. host_descriptors: TensorDescriptors made on the
     host (the warp-specialized wgrad's out); global_scratch: Triton's allocator for descriptors a kernel
     makes on the device (TMA loads and stores); gluon: Gluon kernels launch (this Triton has Gluon's Hopper
-    API); workspace: the split-K schedule (``split_k``). jax-triton 0.3.1 passes neither descriptors nor
-    scratch (it passes the scratch pointer as null)."""
+    API); workspace: the split-K schedule (``split_k``). JAX's GPU executor has scratch and Gluon, the
+    interpreter's neither; no JAX launcher has host descriptors."""
 
     host_descriptors: bool = False
     global_scratch: bool = False
@@ -203,7 +203,10 @@ class Capabilities:
     workspace: bool = False  # allocates a split-K launch's fp32 partials and runs the reduction after it
 
 
-JAX = Capabilities()
+JAX = Capabilities()  # the interpreter's executor (its launches have no scratch allocator)
+# The GPU executor (``moegemm._src.jax.gpu``) passes Triton's global scratch; no host descriptors (a JAX array has
+# no address while the launch is built), no workspace.
+JAX_GPU = Capabilities(global_scratch=True, gluon=k_grouped_fp8_ws.supported())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -607,10 +610,10 @@ def _plan_fp8_ws(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> P
             has_bias=p.has_bias,
         )
         return Plan("m_grouped_fp8_ws", Schedule(), config, launch)
-    # The wgrad's epilogue stores through out's host descriptor.
+    # The wgrad's epilogue stores through out's descriptor: the front end's, or one it makes in the global scratch
+    # the loader's descriptors live in (a launcher without host descriptors: JAX).
     if not (
-        caps.host_descriptors
-        and p.tma_store_layout
+        p.tma_store_layout
         and k_grouped_fp8_ws.supported_problem(p.g_total is not None, row_stride, p.out_span)
     ):
         return None
@@ -639,6 +642,7 @@ def _plan_fp8_ws(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> P
         num_programs_cap=t.programs,
         accumulate=p.accumulate,
         out_itemsize=p.out_itemsize,
+        out_desc_on_device=not caps.host_descriptors,
     )
     return Plan("k_grouped_fp8_ws", Schedule(), config, launch)
 

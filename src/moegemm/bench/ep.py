@@ -832,7 +832,7 @@ def main(args, argv, env, device: torch.device, console) -> int:
     )
     out = Path(args.out or report.default_out(env.device, args.name or "ep"))
     rc = report_run(spec, sizes, cuda, out, env, argv, console)
-    if cuda and importlib.util.find_spec("jax_triton") is not None:
+    if cuda and importlib.util.find_spec("jax") is not None:
         # The JAX EP bench (bench/ep_jax.py) in a child process: JAX and PyTorch would share one process's GPU
         # memory. Its JSON sits beside this one (ep-jax.json).
         cmd = [sys.executable, "-m", "moegemm.bench.ep_jax", "--ep-sizes", ",".join(map(str, sizes))]

@@ -6,7 +6,8 @@ or quantized ones (:class:`Fp8Array`, from :func:`quantize_fp8`), never a mix; q
 carry their recipe. ``ragged_dot(..., fp8_recipe=...)`` is the differentiable FP8 training path
 (quantized inside, dgrad and wgrad in FP8).
 
-Backends: ``"triton"`` runs the Triton kernels on the GPU through jax-triton; ``"interpret"`` runs
+Backends: ``"triton"`` runs the Triton and Gluon kernels on the GPU (XLA custom calls of jaxlib's Triton
+launcher, ``moegemm._src.jax.gpu``); ``"interpret"`` runs
 the same kernels, with the same launch arguments, under the Triton interpreter in a
 ``jax.pure_callback`` (CPU tests; needs TRITON_INTERPRET=1 set before triton is imported);
 ``"reference"`` runs the jax.numpy twin (``moegemm.jax.reference``); ``"auto"`` picks triton when
@@ -27,8 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from moegemm._src import fp8
+from moegemm._src.jax import gpu as _gpu
 from moegemm._src.jax import interpret as _interpret
-from moegemm._src.jax import jax_triton as _jax_triton
 from moegemm._src.jax import ops as _ops
 from moegemm._src.jax.launch import Executor
 from moegemm.jax import reference
@@ -47,7 +48,7 @@ Backend = Literal["auto", "triton", "interpret", "reference"]
 _BACKENDS = ("auto", "triton", "interpret", "reference")
 _FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 _FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-_EXECUTORS = {executor.name: executor for executor in (_jax_triton.EXECUTOR, _interpret.EXECUTOR)}
+_EXECUTORS = {executor.name: executor for executor in (_gpu.EXECUTOR, _interpret.EXECUTOR)}
 
 
 def _executor(backend: str) -> Executor | None:
@@ -261,6 +262,7 @@ def ragged_dot(
     fp8_dtype=jnp.float8_e4m3fn,
     fp8_grad_dtype=None,
     fp8_fprop_fast_accum: bool = True,
+    rhs_fp8: Fp8Array | None = None,
     backend: Backend = "auto",
 ) -> jax.Array:
     """Drop-in for ``jax.lax.ragged_dot``: ``for g: out[rows(g)] = lhs[rows(g)] @ rhs[g]``.
@@ -284,7 +286,10 @@ def ragged_dot(
     "hybrid"). Gradients are straight through the quantization and come in lhs's and rhs's dtypes;
     the output defaults to lhs's dtype. ``fp8_fprop_fast_accum`` (tensorwise/rowwise): the forward
     accumulates on the tensor cores without the fp32 promotion (TransformerEngine's fprop default);
-    dgrad and wgrad promote.
+    dgrad and wgrad promote. ``rhs_fp8``: rhs's quantization, made once and kept while rhs is unchanged
+    (``quantize_fp8(rhs, fp8_recipe, dtype=fp8_dtype, transpose=True)``, e.g. once per optimizer step across
+    gradient-accumulation micro-batches, as TransformerEngine's ``is_first_microbatch``): the step then
+    quantizes only lhs and dy, and rhs's gradient still comes back.
 
     Quantized operands (both :class:`Fp8Array`, not differentiable): rhs_q quantizes rhs [G, K, N]
     with ``transpose=True`` (the K-major copy the kernel reads); the output defaults to bfloat16.
@@ -313,6 +318,10 @@ def ragged_dot(
     group_sizes = _group_sizes(group_sizes, None if group_offset is not None else G)
     group_offset = _group_offset(group_offset, G, group_sizes.shape[0])
     executor = _executor(backend)
+    if rhs_fp8 is not None and fp8_recipe is None:
+        raise ValueError(
+            "ragged_dot: rhs_fp8 is rhs's FP8 copy for the fp8_recipe path; pass fp8_recipe as well"
+        )
     if fp8_recipe is not None:
         fp8.check_recipe(fp8_recipe)
         lhs_dtype, rhs_dtype = _float_dtype("lhs", lhs.dtype), _float_dtype("rhs", rhs.dtype)
@@ -322,7 +331,10 @@ def ragged_dot(
         options = _ops.Fp8Options(
             fp8_recipe, fp8_dtype, grad_dtype, lhs_dtype, rhs_dtype, fp8_fprop_fast_accum
         )
-        return _ops.m_grouped_mm(lhs, rhs, group_sizes, group_offset, out_dtype, False, executor, options)
+        rhs_q = _rhs_fp8_parts(rhs_fp8, rhs, fp8_recipe, fp8_dtype)
+        return _ops.m_grouped_mm(
+            lhs, rhs, group_sizes, group_offset, rhs_q, out_dtype, False, executor, options
+        )
     dtype = _float_dtype("lhs and rhs", jnp.result_type(lhs, rhs))
     lhs, rhs = lhs.astype(dtype), rhs.astype(dtype)
     out_dtype = _float_dtype(
@@ -334,7 +346,24 @@ def ragged_dot(
         )
     # With group_offset the kernel reads and writes the local groups' rows in place and zero-fills
     # the others in the same launch: no row copies on the expert-parallel path.
-    return _ops.m_grouped_mm(lhs, rhs, group_sizes, group_offset, out_dtype, False, executor, None)
+    return _ops.m_grouped_mm(lhs, rhs, group_sizes, group_offset, None, out_dtype, False, executor, None)
+
+
+def _rhs_fp8_parts(rhs_fp8, rhs: jax.Array, recipe: str, dtype) -> _ops.QuantizedParts | None:
+    """ragged_dot's ``rhs_fp8`` as the op's weight parts, checked against rhs and the recipe (None: none)."""
+    if rhs_fp8 is None:
+        return None
+    if not isinstance(rhs_fp8, Fp8Array) or not rhs_fp8.is_weight or rhs_fp8.data_t is None:
+        raise TypeError(
+            "ragged_dot: rhs_fp8 must be quantize_fp8(rhs, fp8_recipe, transpose=True) (an Fp8Array weight with "
+            f"its transposed copy), got {type(rhs_fp8).__name__}"
+        )
+    if rhs_fp8.shape != rhs.shape or rhs_fp8.recipe != recipe or jnp.dtype(rhs_fp8.data.dtype) != dtype:
+        raise ValueError(
+            f"ragged_dot: rhs_fp8 is a {rhs_fp8.recipe!r} {rhs_fp8.data.dtype} quantization of shape "
+            f"{rhs_fp8.shape}; rhs {rhs.shape} with fp8_recipe={recipe!r}, fp8_dtype={dtype} needs the same"
+        )
+    return _ops.QuantizedParts(rhs_fp8.data, rhs_fp8.scale, rhs_fp8.data_t, rhs_fp8.scale_t)
 
 
 def m_grouped_mm(
@@ -389,7 +418,7 @@ def m_grouped_mm(
         return reference.m_grouped_mm_reference(
             x, w, group_sizes, transpose_w=transpose_w, group_offset=group_offset, out_dtype=out_dtype
         )
-    return _ops.m_grouped_mm(x, w, group_sizes, group_offset, out_dtype, transpose_w, executor, None)
+    return _ops.m_grouped_mm(x, w, group_sizes, group_offset, None, out_dtype, transpose_w, executor, None)
 
 
 def _m_grouped_mm_fp8(x_q, w_q, group_sizes, transpose_w, out_dtype, group_offset, fast_accum, backend):

@@ -88,20 +88,24 @@ def _m_grouped_fp8_ws():
     return m_grouped_fp8_ws.m_grouped_mm_fp8_ws_kernel, launch.meta, pointers
 
 
-def _k_grouped_fp8_ws(accumulate: bool = True, out: str = "fp32", recipe: str = "blockwise"):
+def _k_grouped_fp8_ws(
+    accumulate: bool = True, out: str = "fp32", recipe: str = "blockwise", out_desc_on_device: bool = False
+):
     """The FP8 wgrad at dsv3-ep8-fc1's sizes (out [32, 4096, 7168]) with the tile the pick gives the recipe,
-    accumulating into fp32 main_grad (TMA reduce-add) or storing (fp32 or bf16 dW)."""
+    accumulating into fp32 main_grad (TMA reduce-add) or storing (fp32 or bf16 dW); ``out_desc_on_device``: out's
+    descriptor made by the kernel (the JAX launch), its slot a plain pointer."""
     itemsize = 4 if out == "fp32" else 2
     config = configs.pick_fp8_ws_config(
         "k_grouped_fp8_ws", recipe=recipe, G=G, N=N, K=K, M=M, out_itemsize=itemsize, accumulate=accumulate
     )
     launch = k_grouped_fp8_ws.KGroupedFp8WsLaunch.make(
         M, N, K, G, recipe=recipe, config=config, num_programs_cap=132, accumulate=accumulate,
-        out_itemsize=itemsize,
+        out_itemsize=itemsize, out_desc_on_device=out_desc_on_device,
     )  # fmt: skip
     dtype = torch.float32 if out == "fp32" else torch.bfloat16
+    block = [k_grouped_fp8_ws.BLOCK_K // 2, k_grouped_fp8_ws.SUB_N]
     pointers = {
-        "out_desc": _desc(torch.empty(16, 16, dtype=dtype), [k_grouped_fp8_ws.BLOCK_K // 2, k_grouped_fp8_ws.SUB_N]),
+        "out_desc": "*fp8e4nv" if out_desc_on_device else _desc(torch.empty(16, 16, dtype=dtype), block),
         "a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "group_sizes_ptr": "*i32",
         "out_ptr": f"*{out}",
     }  # fmt: skip
@@ -555,6 +559,7 @@ KERNELS = {
     "k_grouped_fp8_ws-bf16": lambda: _k_grouped_fp8_ws(False, "bf16"),
     "k_grouped_fp8_ws-tensorwise-bf16": lambda: _k_grouped_fp8_ws(False, "bf16", "tensorwise"),
     "k_grouped_fp8_ws-tensorwise": lambda: _k_grouped_fp8_ws(True, "fp32", "tensorwise"),
+    "k_grouped_fp8_ws-device-desc": lambda: _k_grouped_fp8_ws(False, "bf16", "tensorwise", True),
     # The one-read quantize: blockwise and tensorwise activations at both warp counts, an fp32 input, a weight.
     "quantize-pair-blockwise": _quantize_pair,
     "quantize-pair-blockwise-8-warps": lambda: _quantize_pair(warps=8),

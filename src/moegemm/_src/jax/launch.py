@@ -31,9 +31,12 @@ DEFAULT_PROGRAMS = 132
 Target = plan.Target
 # Odd and small, so the persistent stride loop is exercised (as in the PyTorch glue).
 INTERPRET = plan.INTERPRET
-# jax-triton 0.3.1 passes neither TMA descriptors nor Triton's global scratch (it passes the scratch pointer as
-# null), and no Gluon kernel: the plan never picks those paths here.
-CAPABILITIES = plan.JAX
+
+
+def capabilities(target: Target) -> plan.Capabilities:
+    """What the executor of ``target`` passes: the GPU executor Triton's global scratch and Gluon kernels
+    (``moegemm._src.jax.gpu``), the interpreter neither; no host descriptors either way."""
+    return plan.JAX if target.name == "interpret" else plan.JAX_GPU
 
 
 @functools.cache
@@ -71,7 +74,7 @@ class Executor:
     """One way to run a KernelCall: ``run(call)`` launches it on ``target()``.
 
     ``available()`` is None where it can run, else the reason it cannot. One per backend
-    (``_jax_triton.EXECUTOR``, ``_interpret.EXECUTOR``); hashable, so the custom_vjp rules take it
+    (``gpu.EXECUTOR``, ``_interpret.EXECUTOR``); hashable, so the custom_vjp rules take it
     as a static argument.
     """
 
@@ -82,7 +85,7 @@ class Executor:
 
 
 def _plan(problem: plan.Problem, target: Target) -> plan.Plan:
-    return plan.plan(problem, target, CAPABILITIES)
+    return plan.plan(problem, target, capabilities(target))
 
 
 def _launch_options(

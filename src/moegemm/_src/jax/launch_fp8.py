@@ -19,10 +19,12 @@ import jax.numpy as jnp
 import triton
 
 from moegemm._src import configs, fp8, plan
-from moegemm._src.jax.launch import CAPABILITIES, KernelCall, Target, _offset_arg
+from moegemm._src.jax.launch import KernelCall, Target, _offset_arg, capabilities
 from moegemm._src.kernels import quantize_fp8 as qk
 from moegemm._src.kernels.k_grouped_fp8 import k_grouped_mm_fp8_kernel
+from moegemm._src.kernels.k_grouped_fp8_ws import k_grouped_mm_fp8_ws_kernel
 from moegemm._src.kernels.m_grouped_fp8 import m_grouped_mm_fp8_kernel
+from moegemm._src.kernels.m_grouped_fp8_ws import m_grouped_mm_fp8_ws_kernel
 
 
 def fp8_max(dtype) -> float:
@@ -291,8 +293,11 @@ def m_grouped_mm_fp8_call(
         max_stride=max(K, N, kw, 1),
         recipe=recipe,
         fast_accum=fast_accum,
+        # The warp-specialized kernel's TMA reads x [M, K] and w [G * N, kw] (groups back to back): 16-byte rows.
+        ws_layout=K % 16 == 0 and kw % 16 == 0,
+        row_strides=(K, kw),
     )
-    launch = plan.plan(problem, target, CAPABILITIES)
+    launch = plan.plan(problem, target, capabilities(target))
     if recipe == "tensorwise":
         scale_strides = (1 if sx.size > 1 else 0, 0, 0, 1, 0, 0)
     elif recipe == "rowwise":
@@ -318,6 +323,17 @@ def m_grouped_mm_fp8_call(
         stride_bn=0,
         **dict(zip(names, scale_strides)),
     )
+    out_shape = _sds((M, N), out_dtype)
+    if launch.kernel == "m_grouped_fp8_ws":
+        # No bias: sx fills bias_ptr's slot. Sizes and strides are constexprs here, as every JAX launch's.
+        ws_sizes = {
+            k: sizes[k] for k in ("M", "N", "K", "G", "stride_xm", "stride_wn", "stride_om", "stride_on")
+        }
+        ws_sizes |= dict(stride_bg=0, stride_bn=0, **dict(zip(names, scale_strides)))
+        args = (x, w, sx, sw, group_sizes, sx)
+        return KernelCall(
+            m_grouped_mm_fp8_ws_kernel, launch.grid, args, out_shape, {**launch.meta, **ws_sizes}, {}
+        )
     # No bias (HAS_BIAS=False): the kernel never reads bias_ptr; sx fills the slot. The expert block's pointers
     # (gather, act, row_scale, act_out, ds) are not read without its options.
     args = (
@@ -334,7 +350,6 @@ def m_grouped_mm_fp8_call(
         sx,
         sx,
     )
-    out_shape = _sds((M, N), out_dtype)
     return KernelCall(m_grouped_mm_fp8_kernel, launch.grid, args, out_shape, {**launch.meta, **sizes}, {})
 
 
@@ -374,10 +389,26 @@ def k_grouped_mm_fp8_call(
         accumulate=c is not None,
         recipe=recipe,
         fast_accum=fast_accum,
+        # The warp-specialized wgrad's TMA reads the transposed copies' token rows (M_t, a multiple of 16) and
+        # stores out [G * K, N] through a descriptor (16-byte rows); it has no c operand to alias out to.
+        ws_layout=M_t % 16 == 0 and c is None,
+        tma_store_layout=(N * jnp.dtype(out_dtype).itemsize) % 16 == 0,
+        row_strides=(M_t, M_t),
+        out_span=K * N,
     )
-    launch = plan.plan(problem, target, CAPABILITIES)
+    launch = plan.plan(problem, target, capabilities(target))
     # Scales of the wgrad operands: [G] (tensorwise), [G, K] (rowwise), [blocks, K] (blockwise).
     scale_strides = lambda s: (1, 0) if s.ndim == 1 else (s.shape[1], 1)
+    out_shape = _sds((G, K, N), out_dtype)
+    if launch.kernel == "k_grouped_fp8_ws":
+        # The kernel makes out's descriptor (OUT_DESC_ON_DEVICE): a_t fills the host descriptor's slot.
+        ws_sizes = dict(M=M, N=N, K=K, G=G, stride_ak=M_t, stride_bn=M_t)
+        ws_sizes |= dict(zip(("stride_sag", "stride_sak"), scale_strides(sa)))
+        ws_sizes |= dict(zip(("stride_sbg", "stride_sbn"), scale_strides(sb)))
+        args = (a_t, a_t, b_t, sa, sb, group_sizes)
+        return KernelCall(
+            k_grouped_mm_fp8_ws_kernel, launch.grid, args, out_shape, {**launch.meta, **ws_sizes}, {}
+        )
     sizes = dict(
         M=M,
         N=N,
@@ -397,7 +428,6 @@ def k_grouped_mm_fp8_call(
     # Without accumulation the kernel never reads c_ptr; a_t fills the slot.
     args = (a_t, b_t, sa, sb, group_sizes, _offset_arg(group_offset, group_sizes), a_t if c is None else c)
     aliases = {} if c is None else {6: 0}
-    out_shape = _sds((G, K, N), out_dtype)
     return KernelCall(
         k_grouped_mm_fp8_kernel, launch.grid, args, out_shape, {**launch.meta, **sizes}, aliases
     )

@@ -321,7 +321,8 @@ def _store(
 
 @gluon.jit
 def k_grouped_mm_fp8_ws_kernel(
-    out_desc,  # a host TensorDescriptor over out viewed [G * K, N], block [BLOCK_K // 2, SUB_N]
+    out_desc,  # a host TensorDescriptor over out viewed [G * K, N], block [BLOCK_K // 2, SUB_N]; unread (any
+    # pointer) with OUT_DESC_ON_DEVICE
     a_ptr,
     b_ptr,
     sa_ptr,
@@ -347,14 +348,24 @@ def k_grouped_mm_fp8_ws_kernel(
     ACCUMULATE: gl.constexpr,
     SCALING: gl.constexpr,
     ALIGN_STEPS: gl.constexpr,
+    OUT_DESC_ON_DEVICE: gl.constexpr,  # out's descriptor made here, in Triton's global scratch (the JAX launcher)
     NUM_STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,  # setmaxnreg of each consumer warpgroup; the loader gets the rest
 ):
     dtype: gl.constexpr = a_ptr.dtype.element_ty
     a_bufs = operand_ring(dtype, NUM_STAGES, BLOCK_K, BLOCK_R)
     b_bufs = operand_ring(dtype, NUM_STAGES, BLOCK_N, BLOCK_R)
-    STAGING: gl.constexpr = out_desc.block_shape  # [BLOCK_K // 2, SUB_N]
-    c_bufs = gl.allocate_shared_memory(out_desc.dtype, [2, STAGING[0], STAGING[1]], out_desc.layout)
+    if OUT_DESC_ON_DEVICE:
+        STAGE_N: gl.constexpr = 128  # SUB_N (a module global, which a kernel cannot read)
+        out_dtype: gl.constexpr = out_ptr.dtype.element_ty
+        out_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K // 2, STAGE_N], out_dtype)
+        c_bufs = gl.allocate_shared_memory(out_dtype, [2, BLOCK_K // 2, STAGE_N], out_layout)
+        out_desc = tma.make_tensor_descriptor(
+            out_ptr, [G * K, N], [N, 1], [BLOCK_K // 2, STAGE_N], out_layout
+        )
+    else:
+        STAGING: gl.constexpr = out_desc.block_shape  # [BLOCK_K // 2, SUB_N]
+        c_bufs = gl.allocate_shared_memory(out_desc.dtype, [2, STAGING[0], STAGING[1]], out_desc.layout)
     ready, empty = ring_barriers(NUM_STAGES)
     warp_specialize_ring(
         _loader,
@@ -379,8 +390,9 @@ def shared_bytes(block_n: int, num_stages: int, out_itemsize: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class KGroupedFp8WsLaunch:
-    """Grid and meta-parameters of one k_grouped_mm_fp8_ws_kernel launch, from static shapes only. The front
-    end builds out's descriptor: [G * K, N] with block [BLOCK_K // 2, SUB_N], an NVMMA-swizzled layout."""
+    """Grid and meta-parameters of one k_grouped_mm_fp8_ws_kernel launch, from static shapes only. out's
+    descriptor: [G * K, N] with block [BLOCK_K // 2, SUB_N], an NVMMA-swizzled layout, built by the front end or
+    (``out_desc_on_device``) by the kernel."""
 
     grid: tuple[int]
     meta: dict
@@ -388,10 +400,12 @@ class KGroupedFp8WsLaunch:
     @staticmethod
     def make(
         M: int, N: int, K: int, G: int, *, recipe: str, config, num_programs_cap: int, accumulate: bool,
-        out_itemsize: int = 4,
+        out_itemsize: int = 4, out_desc_on_device: bool = False,
     ):  # fmt: skip
         """N, K: out[g]'s columns and rows (b_t's and a_t's rows); config: ``configs.Fp8WsConfig`` (its ring
-        depth capped at what fits beside the staging tiles); num_programs_cap: the SM count (one CTA per SM)."""
+        depth capped at what fits beside the staging tiles); num_programs_cap: the SM count (one CTA per SM).
+        out_desc_on_device: the kernel makes out's descriptor in Triton's global scratch (a launcher without
+        host descriptors, JAX's), else the front end passes it."""
         if config.block_n not in (128, 256):
             raise ValueError(
                 f"k_grouped_fp8_ws: block_n must be 128 or 256 (one or two wgmma parts), got {config}"
@@ -411,6 +425,7 @@ class KGroupedFp8WsLaunch:
             ACCUMULATE=accumulate,
             SCALING=SCALINGS[recipe],
             ALIGN_STEPS=M >= ALIGN_MIN_ROWS * G,
+            OUT_DESC_ON_DEVICE=out_desc_on_device,
             NUM_STAGES=stages,
             CONSUMER_REGS=config.consumer_regs,
             num_warps=LOADER_WARPS,
