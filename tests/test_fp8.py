@@ -790,6 +790,54 @@ def test_k_grouped_fp8_warp_specialized_takes_the_suite(case):
             assert (bf16 is not None) == (not accumulate), (case.name, recipe, accumulate)
 
 
+def test_k_grouped_fp8_warp_specialized_vector_scales_stop_at_32_groups():
+    """Row- and blockwise wgrads take the warp-specialized kernel up to VECTOR_SCALES_MAX_GROUPS groups only (wrong
+    results beyond, docs/design.md 'The FP8 wgrad'); tensorwise at any count. The plan for an sm90 launcher with
+    Gluon, scratch and host descriptors."""
+    from moegemm._src import plan
+    from moegemm._src.kernels import k_grouped_fp8_ws as k_ws
+
+    if not k_ws.supported():
+        pytest.skip("this Triton has no Gluon Hopper API")
+    target = plan.Target("sm90", "NVIDIA H100 80GB HBM3", 132)
+    caps = plan.Capabilities(host_descriptors=True, global_scratch=True, gluon=True, workspace=True)
+    M, K, N = 16384, 2048, 1536
+    for G, recipe, ws in [
+        (128, "tensorwise", True), (128, "rowwise", False), (64, "blockwise", False), (32, "rowwise", True),
+        (32, "blockwise", True),
+    ]:  # fmt: skip
+        M_t = fp8.transposed_columns(M, G)
+        problem = plan.Problem(
+            plan.K_GROUPED, M, N, K, G, "float8_e4m3fn", max_stride=max(M_t, K * N), recipe=recipe,
+            ws_layout=True, tma_store_layout=True, row_strides=(M_t, M_t), out_span=K * N,
+        )  # fmt: skip
+        chosen = plan.plan(problem, target, caps).kernel
+        assert (chosen == "k_grouped_fp8_ws") == ws, (G, recipe, chosen)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("G", [64, 128])
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_k_grouped_fp8_default_route_matches_the_triton_kernel_at_many_groups(recipe, G):
+    """The wgrad's default launch at 64 and 128 groups (balanced, 128 tokens each, and skewed) equals the Triton
+    kernel's: the row- and blockwise warp-specialized launch computed 5-29% off there (H100, 2026-11-27)."""
+    from moegemm._src import plan
+
+    M, K, N = 8192, 1024, 1536
+    for sizes in ([M // G] * G, shapes.group_sizes(M, G, seed=0)):
+        gs = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
+        gen = torch.Generator(device=DEVICE).manual_seed(G)
+        x = torch.randn(M, K, device=DEVICE, generator=gen).to(torch.bfloat16)
+        dy = torch.randn(M, N, device=DEVICE, generator=gen).to(torch.bfloat16)
+        x_q = quantize_fp8(x, recipe, group_sizes=gs, transpose=True)
+        dy_q = quantize_fp8(dy, recipe, group_sizes=gs, transpose=True)
+        got = k_grouped_mm(dy_q, x_q, gs)
+        with plan.constrain(fp8_ws=False):
+            want = k_grouped_mm(dy_q, x_q, gs)
+        assert relerr(got, want) <= 1e-3, (recipe, G, relerr(got, want))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_quantized_operands_through_the_one_op(backend):
     """The public ops take Fp8Tensors: m_grouped_mm(quantize_fp8(x, ...), quantize_fp8(w, ...), gs) runs
