@@ -83,3 +83,57 @@ def test_unaligned_rows_keep_wide_accesses(tmp_path):
         narrow = {k: v for k, v in r["loads"].items() if k in ("ld-8", "ld-16", "st-8", "st-16")}
         assert not narrow, (name, r)
         assert r["shared"] > 64 * 1024, (name, r)  # a multi-stage operand ring: the loads are pipelined
+
+
+_JAX_LAUNCHES = """
+import json, jax, jax.numpy as jnp
+from moegemm._src import fp8
+from moegemm._src.jax import gpu, launch_fp8 as lf
+from moegemm._src.jax.launch import Target
+
+target = Target("sm90", "NVIDIA H100 80GB HBM3", 132)
+G, M, K, N = 32, 32768, 7168, 4096
+sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
+f8, f32 = jnp.float8_e4m3fn, jnp.float32
+M_t = fp8.transposed_columns(M, G)
+gs = sds((G,), jnp.int32)
+calls = {
+    "fwd": lf.m_grouped_mm_fp8_call(
+        sds((M, K), f8), sds((M,), f32), sds((G, N, K), f8), sds((G, N), f32), gs, recipe="rowwise",
+        out_dtype=jnp.bfloat16, target=target,
+    ),
+    "wgrad": lf.k_grouped_mm_fp8_call(
+        M, sds((K, M_t), f8), sds((G,), f32), sds((N, M_t), f8), sds((G,), f32), gs, None, recipe="tensorwise",
+        out_dtype=jnp.bfloat16, target=target,
+    ),
+}
+for op, call in calls.items():
+    outs = (call.out_shape,)
+    types = tuple("*" + gpu._TRITON_TYPES[jnp.dtype(a.dtype).name] for a in (*call.args, *outs))
+    compiled = gpu._compile(call.kernel, types, tuple(sorted(call.meta.items())), 90)
+    runtime = gpu._runtime_ints(call.kernel, len(types), call.meta)
+    print(json.dumps(dict(op=op, kernel=compiled.metadata.name, scratch=compiled.metadata.global_scratch_size,
+                          runtime=[name for name, _ in runtime], desc_on_device=call.meta.get("OUT_DESC_ON_DEVICE"))))
+"""
+
+
+@pytest.mark.skipif(not gluon_hopper.supported(), reason="this Triton has no Gluon Hopper API")
+def test_jax_gpu_executor_compiles_the_warp_specialized_fp8_launches(tmp_path):
+    """JAX's GPU executor (``_src/jax/gpu.py``) compiles the KernelCalls the FP8 glue builds for an H100: the
+    warp-specialized kernels, their sizes as runtime ints (compiled in, they broke the compile: 'JAX front end'),
+    Triton's global scratch for the descriptors they make, the wgrad's out descriptor made on the device."""
+    pytest.importorskip("jax")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {
+        "TRITON_CACHE_DIR": str(tmp_path),
+        "JAX_PLATFORMS": "cpu",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", _JAX_LAUNCHES], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = {r["op"]: r for r in map(json.loads, result.stdout.splitlines())}
+    assert got["fwd"]["kernel"] == "m_grouped_mm_fp8_ws_kernel" and got["fwd"]["scratch"] > 0, got
+    assert got["wgrad"]["kernel"] == "k_grouped_mm_fp8_ws_kernel" and got["wgrad"]["scratch"] > 0, got
+    assert got["wgrad"]["desc_on_device"] is True, got
+    for r in got.values():
+        assert {"M", "N", "K", "G"} <= set(r["runtime"]), r
