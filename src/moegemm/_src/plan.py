@@ -19,7 +19,7 @@ Rules, in the order ``plan`` applies them (docs/design.md, 'Launch plans', says 
   ``configs.pick_fp8_ws_config`` routes them. Gluon kernels need ``Capabilities.gluon`` (PyTorch only).
 - TMA store (2-byte out through a descriptor the kernel makes in Triton's global scratch) and TMA loads
   (operands through descriptors the kernel makes): on sm90 and the interpreter, where the launcher has
-  global scratch (``Capabilities.global_scratch``; jax-triton 0.3.1 passes it as null), where the
+  global scratch (``Capabilities.global_scratch``: PyTorch's allocator, JAX's GPU executor), where the
   operands' layout takes a descriptor (``Problem.tma_store_layout`` / ``tma_load_layout``), and on
   launches of at least ``TMA_STORE_MIN_FLOPS`` / ``TMA_LOAD_MIN_FLOPS`` (``launch_work``): the scratch and the
   descriptors cost host time that only a longer launch hides. The kernels' launch descriptions then keep

@@ -31,7 +31,7 @@ process of its own with the variable set (``_worker``), on the same seeded input
 allocator keeps what it grows): the same inputs through DLPack, jitted fwd and fwd+bwd timed on device arrays,
 the same gate on its outputs as torch tensors; XLA's own peak statistic, no sync count; ``jax_vs_torch``: its
 device ms over the fused torch op's. A default CUDA run times it on the skewed routing only (wall time); without
-CUDA it runs only when named, under the Triton interpreter (jax-triton needs a GPU).
+CUDA it runs only when named, under the Triton interpreter (the GPU executor needs a GPU).
 
 Routing (``route``): "balanced" gives every expert exactly T*k/E rows (when E divides T*k; else within one);
 "skewed" is softmax top-k over normal logits plus a linear ramp of ``SKEW`` across the experts, weights
@@ -328,7 +328,7 @@ JAX_DEFAULT_ROUTINGS = ("skewed",)  # the default GPU run times the JAX op on th
 
 
 class JaxBlock:
-    """``moegemm.jax.moe_experts`` on ``backend`` ("triton" on the GPU through jax-triton, "interpret" under the
+    """``moegemm.jax.moe_experts`` on ``backend`` ("triton" on the GPU, "interpret" under the
     Triton interpreter on CPU), measured by ``_measure_jax``: the torch inputs enter through DLPack once, outside
     the timing; ``fwd`` and ``step`` are jitted, and ``step`` returns (out, dx, dtopk_weights, dw13, dw2) from
     ``jax.vjp`` with the same upstream gradient the torch impls get."""
@@ -397,7 +397,7 @@ def _moegemm_jax():
         backend = "interpret"  # the same launches under the Triton interpreter: correctness only
     try:
         api.resolve_backend(backend)
-    except ValueError as exc:  # jax-triton missing, or TRITON_INTERPRET unset
+    except ValueError as exc:  # no GPU, or TRITON_INTERPRET unset
         raise Unavailable(f"moegemm.jax.moe_experts {exc}") from None
     return JaxBlock(backend)
 
@@ -419,7 +419,7 @@ IMPLS = {
             "moegemm-jax",
             _moegemm_jax,
             JAX_ENV,
-            "moegemm.jax.moe_experts (the same kernels through jax-triton; jitted, own process)",
+            "moegemm.jax.moe_experts (the same kernels from JAX; jitted, own process)",
         ),
         MoEImpl("moegemm-unfused", _moegemm_unfused, label="moegemm m_grouped_mm + torch glue"),
         MoEImpl("torch-grouped-mm", _torch_grouped_mm, label="torch._grouped_mm + torch glue"),

@@ -2,8 +2,8 @@
 
 One public op per GEMM shape, each taking high-precision arrays or quantized ones (``Fp8Array`` from
 ``quantize_fp8``): ``m_grouped_mm`` (forward, dgrad), ``k_grouped_mm`` (wgrad), ``ragged_dot``
-(``fp8_recipe=`` trains in FP8). The Triton kernels in ``moegemm._src.kernels`` run on the GPU through
-jax-triton; see ``moegemm.jax.api`` for the backends. The jax.numpy twins (``*_reference``) are the
+(``fp8_recipe=`` trains in FP8). The Triton kernels in ``moegemm._src.kernels`` run on the GPU as XLA custom calls
+of jaxlib's Triton launcher; see ``moegemm.jax.api`` for the backends. The jax.numpy twins (``*_reference``) are the
 oracle and CPU fallback. Sharded operands: ``moegemm.jax.sharding``; Flax modules:
 ``moegemm.jax.flax`` (imported on demand: flax is optional). The fused expert block: ``moe_experts``
 (``moegemm.jax.moe``), its Flax module ``moegemm.jax.moe_layer.MoE``.

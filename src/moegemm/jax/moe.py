@@ -74,7 +74,7 @@ def moe_experts(
     Duplicate experts in a token's top-k each count; k = 1 and T = 0 are allowed. An id outside [0, E) is
     clamped into it and a non-finite weight counts as 0 (no read or write out of bounds, no sync);
     ``check=True`` reads the values on the host and raises naming the first bad one (concrete arrays only;
-    MOEGEMM_CHECK=1 turns it on for concrete arrays). ``backend``: "triton" (the fused kernels through jax-triton),
+    MOEGEMM_CHECK=1 turns it on for concrete arrays). ``backend``: "triton" (the fused kernels on the GPU),
     "interpret" (the same launches under the Triton interpreter, CPU), "reference" (``moe_experts_reference``),
     "auto".
 

@@ -1,10 +1,10 @@
-"""One description of each kernel launch, shared by the GPU path (jax-triton) and the interpreter path.
+"""One description of each kernel launch, shared by the GPU path (``gpu.py``) and the interpreter path.
 
 ``m_grouped_mm_call`` / ``k_grouped_mm_call`` turn JAX arrays and static shapes into a ``KernelCall``: the
-kernel's input arrays in parameter order (the output pointer left out, as jax-triton appends it),
-grid, constexprs and the output shape. Sizes and strides go in as constexprs: jax-triton gives
-runtime int scalars no divisibility facts, and without them Triton neither vectorizes nor pipelines
-the loads (measured on an H100: 72 vs 672 TF/s on dsv3-ep8-fc1 fwd before this). Both
+kernel's input arrays in parameter order (the output pointers left out: the executors append them),
+grid, every other argument in ``meta`` (sizes, strides, constexprs, compile options) and the output shape. The
+GPU executor compiles the kernel's constexpr parameters in and passes its other ints at run time with Triton's
+divisibility specialization, as the PyTorch launches do. Both
 executors (:class:`Executor`) consume exactly this object, so the interpreter tests exercise the GPU glue.
 JAX arrays are contiguous row-major: strides are computed from shapes, and a transposed weight is
 passed as the untransposed array with swapped strides (no copy).
@@ -165,7 +165,7 @@ def m_grouped_mm_call(
     sizes |= dict(stride_wg=stride_wg, stride_wk=stride_wk, stride_wn=stride_wn)
     out_shape = jax.ShapeDtypeStruct((M, N), jnp.dtype(out_dtype))
     # No bias (HAS_BIAS=False): the kernel never reads bias_ptr; x fills that slot. TMA_STORE stays off: the
-    # kernel would make its descriptor in Triton's global scratch, which jax-triton 0.3.1 passes as null.
+    # problem sets no TMA layout facts (docs/design.md, 'JAX front end').
     # The expert block's pointers (gather, act, row_scale, act_out, ds) are not read without its options.
     args = (x, w, group_sizes, _offset_arg(group_offset, group_sizes), x, group_sizes, x, x, x, x)
     return KernelCall(m_grouped_mm_kernel, launch.grid, args, out_shape, {**launch.meta, **sizes}, {})
@@ -205,8 +205,8 @@ def k_grouped_mm_call(
     )
     launch = _plan(problem, target)
     # Without accumulation the kernel never reads c_ptr, without A_COLSUM it never writes a_colsum_ptr; any
-    # pointer fills those slots. No TMA_STORE: its descriptor lives in Triton's global scratch, which
-    # jax-triton 0.3.1 passes as null.
+    # pointer fills those slots. No TMA_STORE: the problem sets no TMA layout facts
+    # (docs/design.md, 'JAX front end').
     args = (
         a,
         b,

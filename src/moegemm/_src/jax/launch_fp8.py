@@ -1,8 +1,8 @@
 """Launch descriptions of the FP8 kernels (quantize, scaled m- and k-grouped GEMMs) from JAX arrays.
 
-Each builder returns a ``KernelCall`` (``moegemm._src.jax.launch``) that both executors run: jax-triton on
+Each builder returns a ``KernelCall`` (``moegemm._src.jax.launch``) that both executors run: ``gpu.py`` on
 the GPU, the Triton interpreter in a ``pure_callback`` on CPU. As in the BF16 glue, sizes and strides
-go in as constexprs (jax-triton's runtime ints carry no divisibility facts), arrays are row-major and
+go in ``meta`` (the GPU executor passes the kernel's non-constexpr ints at run time), arrays are row-major and
 their strides come from their shapes. Kernel parameters are pointers in order, outputs last: a kernel
 pointer a launch never touches is filled with an input of the right type (named at each call).
 

@@ -14,7 +14,7 @@ The same kernels, launches and saved values as the PyTorch glue (``moegemm._src.
 The backward keeps x, z [R, 2n] and the integer routing metadata (``Routing``). Launches are ``KernelCall``s run
 by the resolved ``Executor`` (GPU or interpreter); inputs are validated by ``moegemm.jax.moe``.
 
-jax-triton 0.3.1 appends every output after the inputs, so a launch's outputs must be the kernel's last pointer
+The executors append every output after the inputs, so a launch's outputs must be the kernel's last pointer
 parameters. fc1 writes z through ``act_ptr`` (before row_scale, act_out and ds): those three slots become
 one-element outputs the "swiglu" epilogue never touches.
 """

@@ -137,7 +137,7 @@ def k_grouped_mm_kernel(
     # per layer, and compiled in the strides took compute-bound wgrad from 488 to 572 TF/s (dsv3 fc1) and
     # 519 to 650 (mixtral) on the H100; a runtime N or K off a multiple of 16 leaves the K and N masks
     # without a known constancy, so the loads they guard went element by element (docs/design.md,
-    # 'Compiled-in sizes'). M and G stay runtime ints for PyTorch (jax-triton passes them as constexprs too).
+    # 'Compiled-in sizes'). M and G stay runtime ints (both front ends).
     a_ptr,
     b_ptr,
     group_sizes_ptr,

@@ -392,9 +392,8 @@ def _m_flat_loop(
 
 @triton.jit
 def m_grouped_mm_kernel(
-    # Pointers first, the output last among them; sizes and strides follow so that jax-triton can
-    # pass them all as constexprs (its runtime int scalars carry no divisibility facts, which would
-    # disable vectorized, pipelined loads). N, K, G and the strides are constexprs for every caller: fixed
+    # Pointers first, the output last among them; sizes and strides follow (the order both launchers pass:
+    # arrays, then ints). N, K, G and the strides are constexprs for every caller: fixed
     # per layer, and compiled in they gave +3-6% on compute-bound shapes; a runtime stride's alignment is
     # known only when it is a multiple of 16 elements, so a row of 1000 or 1400 bf16 (16-byte aligned) was
     # loaded element by element, 3-10x slower (docs/design.md, 'Compiled-in sizes'). M, the token count,
