@@ -767,14 +767,15 @@ def test_k_grouped_fp8_warp_specialized_clamps_bad_sizes(name, M, sizes, recipe,
 @pytest.mark.parametrize("case", shapes.SUITE, ids=[c.name for c in shapes.SUITE])
 def test_k_grouped_fp8_warp_specialized_takes_the_suite(case):
     """Every suite shape's wgrad (dW [G, N, K] = dy_t @ x_t^T) qualifies for the warp-specialized
-    kernel, with a config of either width."""
+    kernel, except many short groups (``supported_problem``), with a config of either width."""
     from moegemm._src import configs
     from moegemm._src.kernels import k_grouped_fp8_ws as k_ws
 
     if not k_ws.supported():
         pytest.skip("this Triton has no Gluon Hopper API")
     row_stride = fp8.transposed_columns(case.M, case.G)
-    assert k_ws.supported_problem(False, row_stride, case.N * case.K), case.name
+    many_short = case.G > k_ws.SHORT_GROUPS_MAX_GROUPS and case.M < k_ws.SHORT_GROUPS_MIN_ROWS * case.G
+    assert k_ws.supported_problem(False, row_stride, case.N * case.K, case.G, case.M) != many_short, case.name
     pick = functools.partial(
         configs.pick_fp8_ws_config, "k_grouped_fp8_ws", G=case.G, N=case.K, K=case.N, M=case.M
     )
@@ -790,10 +791,10 @@ def test_k_grouped_fp8_warp_specialized_takes_the_suite(case):
             assert (bf16 is not None) == (not accumulate), (case.name, recipe, accumulate)
 
 
-def test_k_grouped_fp8_warp_specialized_vector_scales_keep_to_the_measured_range():
-    """Row- and blockwise wgrads take the warp-specialized kernel only with at most 32 groups of at least 512 tokens on
-    average (wrong results measured outside, docs/design.md 'The FP8 wgrad'); tensorwise at any count. The plan for
-    an sm90 launcher with Gluon, scratch and host descriptors."""
+def test_k_grouped_fp8_warp_specialized_keeps_out_of_many_short_groups():
+    """No recipe takes the warp-specialized wgrad with more than 32 groups averaging under 512 tokens (wrong results
+    measured there, docs/design.md 'The FP8 wgrad'); fewer groups, or longer ones, still do. The plan for an sm90
+    launcher with Gluon, scratch and host descriptors, bf16 dW."""
     from moegemm._src import plan
     from moegemm._src.kernels import k_grouped_fp8_ws as k_ws
 
@@ -802,25 +803,29 @@ def test_k_grouped_fp8_warp_specialized_vector_scales_keep_to_the_measured_range
     target = plan.Target("sm90", "NVIDIA H100 80GB HBM3", 132)
     caps = plan.Capabilities(host_descriptors=True, global_scratch=True, gluon=True, workspace=True)
     K, N = 2048, 1536
-    for M, G, recipe, ws in [
-        (16384, 128, "tensorwise", True), (131072, 128, "rowwise", False), (65536, 64, "blockwise", False),
-        (32768, 32, "rowwise", True), (16384, 32, "blockwise", True), (4096, 32, "rowwise", False),
-        (4096, 32, "tensorwise", True),
-    ]:  # fmt: skip
-        M_t = fp8.transposed_columns(M, G)
-        problem = plan.Problem(
-            plan.K_GROUPED, M, N, K, G, "float8_e4m3fn", max_stride=max(M_t, K * N), recipe=recipe,
-            ws_layout=True, tma_store_layout=True, row_strides=(M_t, M_t), out_span=K * N,
-        )  # fmt: skip
-        chosen = plan.plan(problem, target, caps).kernel
-        assert (chosen == "k_grouped_fp8_ws") == ws, (M, G, recipe, chosen)
+    for M, G, ws in [
+        (16384, 128, False),
+        (65536, 128, True),
+        (8192, 64, False),
+        (4096, 32, True),
+        (300, 4, True),
+    ]:
+        for recipe in fp8.RECIPES:
+            M_t = fp8.transposed_columns(M, G)
+            problem = plan.Problem(
+                plan.K_GROUPED, M, N, K, G, "float8_e4m3fn", max_stride=max(M_t, K * N), recipe=recipe,
+                ws_layout=True, tma_store_layout=True, row_strides=(M_t, M_t), out_span=K * N,
+            )  # fmt: skip
+            chosen = plan.plan(problem, target, caps).kernel
+            assert (chosen == "k_grouped_fp8_ws") == ws, (M, G, recipe, chosen)
 
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("G", [16, 32, 64, 128])
 @pytest.mark.parametrize("recipe", fp8.RECIPES)
-def test_k_grouped_fp8_default_route_matches_the_triton_kernel_with_short_groups(recipe, G):
+def test_k_grouped_fp8_default_route_matches_the_triton_kernel_with_short_groups(recipe, G, out_dtype):
     """The wgrad's default launch with 128 tokens a group on average (balanced and skewed) equals the Triton
     kernel's: the row- and blockwise warp-specialized launch computed 5-29% off at 64 and 128 such groups (H100,
     2026-11-27)."""
@@ -834,10 +839,10 @@ def test_k_grouped_fp8_default_route_matches_the_triton_kernel_with_short_groups
         dy = torch.randn(M, N, device=DEVICE, generator=gen).to(torch.bfloat16)
         x_q = quantize_fp8(x, recipe, group_sizes=gs, transpose=True)
         dy_q = quantize_fp8(dy, recipe, group_sizes=gs, transpose=True)
-        got = k_grouped_mm(dy_q, x_q, gs)
+        got = k_grouped_mm(dy_q, x_q, gs, out_dtype=out_dtype)
         with plan.constrain(fp8_ws=False):
-            want = k_grouped_mm(dy_q, x_q, gs)
-        assert relerr(got, want) <= 1e-3, (recipe, G, relerr(got, want))
+            want = k_grouped_mm(dy_q, x_q, gs, out_dtype=out_dtype)
+        assert relerr(got, want) <= 1e-2, (recipe, G, out_dtype, relerr(got, want))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
