@@ -898,6 +898,9 @@ class JaxFp8Test:
             mj.ragged_dot(x, w, gs, fp8_recipe=wrong, rhs_fp8=w_q, backend=self.BACKEND)
         with pytest.raises(ValueError, match="pass fp8_recipe"):
             mj.ragged_dot(x, w, gs, rhs_fp8=w_q, backend=self.BACKEND)
+        x_q = mj.quantize_fp8(x, recipe, group_sizes=gs, backend=self.BACKEND)
+        with pytest.raises(ValueError, match="quantized already"):
+            mj.ragged_dot(x_q, w_q, gs, rhs_fp8=w_q, backend=self.BACKEND)
 
     @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
     def test_fast_accumulation(self, recipe):

@@ -299,6 +299,8 @@ def ragged_dot(
     if out_sharding is not None:
         raise NotImplementedError("out_sharding is not supported; shard with moegemm.jax.sharding.ragged_dot")
     if _quantized("ragged_dot", ("lhs", "rhs"), lhs, rhs):
+        if rhs_fp8 is not None:
+            raise ValueError("ragged_dot: rhs_fp8 is for a high-precision rhs; rhs is quantized already")
         if fp8_recipe is not None:
             raise ValueError(
                 f"ragged_dot: fp8_recipe={fp8_recipe!r} quantizes high-precision operands; lhs and rhs are "

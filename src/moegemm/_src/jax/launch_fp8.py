@@ -325,7 +325,7 @@ def m_grouped_mm_fp8_call(
     )
     out_shape = _sds((M, N), out_dtype)
     if launch.kernel == "m_grouped_fp8_ws":
-        # No bias: sx fills bias_ptr's slot. Sizes and strides are constexprs here, as every JAX launch's.
+        # No bias: sx fills bias_ptr's slot. The ints go at run time (the executor), as PyTorch passes them.
         ws_sizes = {
             k: sizes[k] for k in ("M", "N", "K", "G", "stride_xm", "stride_wn", "stride_om", "stride_on")
         }
