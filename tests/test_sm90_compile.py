@@ -107,13 +107,18 @@ calls = {
         out_dtype=jnp.bfloat16, target=target,
     ),
 }
+gpu._compute_capability = lambda: 90  # no GPU here: compile for the H100
 for op, call in calls.items():
-    outs = (call.out_shape,)
-    types = tuple("*" + gpu._TRITON_TYPES[jnp.dtype(a.dtype).name] for a in (*call.args, *outs))
-    compiled = gpu._compile(call.kernel, types, tuple(sorted(call.meta.items())), 90)
-    runtime = gpu._runtime_ints(call.kernel, len(types), call.meta)
-    print(json.dumps(dict(op=op, kernel=compiled.metadata.name, scratch=compiled.metadata.global_scratch_size,
-                          runtime=[name for name, _ in runtime], desc_on_device=call.meta.get("OUT_DESC_ON_DEVICE"))))
+    launch, out_avals = gpu.launch_of(call)
+    compiled = gpu._compiled(launch, (*call.args, *out_avals[: launch.outs]))
+    params = gpu.kernel_parameters(launch, call.args, out_avals, compiled.metadata.global_scratch_align)
+    runtime = gpu._runtime_ints(call.kernel, len(call.args) + 1, call.meta)
+    print(json.dumps(dict(
+        op=op, kernel=compiled.metadata.name, scratch=compiled.metadata.global_scratch_size, grid=launch.grid,
+        scratch_bytes=out_avals[-1].shape[0] if len(out_avals) > launch.outs else 0, arrays=len(call.args) + 1,
+        runtime=[name for name, _ in runtime], params=[p[0] if p[0] == "scalar" else f"array/{p[2]}" for p in params],
+        desc_on_device=call.meta.get("OUT_DESC_ON_DEVICE"),
+    )))
 """
 
 
@@ -137,3 +142,8 @@ def test_jax_gpu_executor_compiles_the_warp_specialized_fp8_launches(tmp_path):
     assert got["wgrad"]["desc_on_device"] is True, got
     for r in got.values():
         assert {"M", "N", "K", "G"} <= set(r["runtime"]), r
+        # jaxlib's order: the buffers, the runtime ints, then the scratch (the slot after the kernel's own
+        # parameters), 128-byte aligned for the descriptors made in it, grid x global_scratch_size bytes.
+        n = r["arrays"]
+        assert r["params"] == ["array/16"] * n + ["scalar"] * len(r["runtime"]) + ["array/128"], r
+        assert r["scratch_bytes"] == r["grid"][0] * r["scratch"], r

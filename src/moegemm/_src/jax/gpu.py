@@ -165,9 +165,26 @@ def _abstract_eval(*avals, launch: _Launch, out_avals: tuple):
     return out_avals
 
 
+def kernel_parameters(launch: _Launch, in_avals, out_avals, scratch_align: int) -> list[tuple]:
+    """The launch's parameters in the order jaxlib passes them to the kernel: ("array", bytes to zero, pointer
+    alignment) per input then output buffer, ("scalar", value, type) per runtime int, and last the scratch
+    output's array (``out_avals`` past ``launch.outs``), which lands in the kernel's hidden global-scratch slot."""
+    n_in = len(in_avals)
+    buffers = (*in_avals, *out_avals[: launch.outs])
+    params = []
+    for i, aval in enumerate(buffers):
+        zero = i >= n_in and i - n_in in launch.zeroed_outputs
+        nbytes = math.prod(aval.shape) * jnp.dtype(aval.dtype).itemsize
+        params.append(("array", nbytes if zero else 0, _POINTER_ALIGN))
+    for _, value in _runtime_ints(launch.kernel, len(buffers), dict(launch.meta)):
+        params.append(("scalar", value, _int_type(value)))
+    if len(out_avals) > launch.outs:
+        params.append(("array", 0, max(_POINTER_ALIGN, scratch_align)))
+    return params
+
+
 def _lower(ctx, *args, launch: _Launch, out_avals: tuple):
     gpu_triton = _gpu_triton()
-    n_in = len(ctx.avals_in)
     compiled = _compiled(launch, (*ctx.avals_in, *out_avals[: launch.outs]))
     md = compiled.metadata
     kernel = gpu_triton.TritonKernel(
@@ -179,21 +196,14 @@ def _lower(ctx, *args, launch: _Launch, out_avals: tuple):
         "",
         _compute_capability(),
     )
-    params = []
-    for i, aval in enumerate((*ctx.avals_in, *out_avals)):
-        zero = i - n_in in launch.zeroed_outputs and i - n_in < launch.outs
-        align = _POINTER_ALIGN
-        if i - n_in == launch.outs:  # the scratch: Triton's alignment for the descriptors made in it
-            align = max(_POINTER_ALIGN, getattr(md, "global_scratch_align", 1) or 1)
-        params.append(
-            gpu_triton.create_array_parameter(aval.size * aval.dtype.itemsize if zero else 0, align)
+    params = [
+        gpu_triton.create_array_parameter(a, b)
+        if kind == "array"
+        else gpu_triton.create_scalar_parameter(a, b)
+        for kind, a, b in kernel_parameters(
+            launch, ctx.avals_in, out_avals, getattr(md, "global_scratch_align", 1) or 1
         )
-    # The runtime ints follow the kernel's arrays; the scratch array goes after them, into the hidden slot.
-    scratch = params.pop() if len(out_avals) > launch.outs else None
-    for _, value in _runtime_ints(launch.kernel, n_in + launch.outs, dict(launch.meta)):
-        params.append(gpu_triton.create_scalar_parameter(value, _int_type(value)))
-    if scratch is not None:
-        params.append(scratch)
+    ]
     kernel_call = gpu_triton.TritonKernelCall(kernel, *launch.grid, params)
     rule = jax.ffi.ffi_lowering(
         "triton_kernel_call",
@@ -207,9 +217,10 @@ def _lower(ctx, *args, launch: _Launch, out_avals: tuple):
 mlir.register_lowering(_triton_call_p, _lower, platform="cuda")
 
 
-def run(call: KernelCall):
-    single = not isinstance(call.out_shape, tuple)
-    out_shapes = (call.out_shape,) if single else tuple(call.out_shape)
+def launch_of(call: KernelCall) -> tuple[_Launch, tuple]:
+    """(the primitive's static launch, the output avals) of ``call``; a scratch output is appended where the
+    compiled kernel takes Triton's global scratch (``global_scratch_size`` bytes a program)."""
+    out_shapes = call.out_shape if isinstance(call.out_shape, tuple) else (call.out_shape,)
     out_avals = tuple(jax.core.ShapedArray(s.shape, jnp.dtype(s.dtype)) for s in out_shapes)
     grid = tuple(call.grid) + (1,) * (3 - len(call.grid))
     launch = _Launch(
@@ -220,13 +231,17 @@ def run(call: KernelCall):
         tuple(call.zeroed_outputs),
         len(out_shapes),
     )
-    compiled = _compiled(launch, (*call.args, *out_avals))
-    md = compiled.metadata
+    md = _compiled(launch, (*call.args, *out_avals)).metadata
     scratch = (getattr(md, "global_scratch_size", 0) or 0) * math.prod(grid) * getattr(md, "num_ctas", 1)
     if scratch:
         out_avals = (*out_avals, jax.core.ShapedArray((scratch,), jnp.dtype(jnp.uint8)))
+    return launch, out_avals
+
+
+def run(call: KernelCall):
+    launch, out_avals = launch_of(call)
     outs = _triton_call_p.bind(*call.args, launch=launch, out_avals=out_avals)
-    return outs[0] if single else tuple(outs[: len(out_shapes)])
+    return tuple(outs[: launch.outs]) if isinstance(call.out_shape, tuple) else outs[0]
 
 
 EXECUTOR = Executor("triton", available, gpu_target, run)
