@@ -121,19 +121,24 @@ def test_ws_wgrad_rule():
 @pytest.mark.parametrize("op", [plan.M_GROUPED, plan.K_GROUPED])
 def test_fp8_ws_rule(op):
     """FP8 on sm90 with Gluon: promoted accumulation with a layout cp.async reads takes the warp-specialized
-    kernel where the config rule routes it; fast tensorwise accumulation, JAX and fp8_ws=False keep Triton."""
+    kernel where the config rule routes it; fast tensorwise accumulation, the interpreter's JAX capabilities and
+    fp8_ws=False keep Triton. JAX's GPU executor (scratch and Gluon, no host descriptors) takes it, the wgrad
+    making out's descriptor itself."""
     M, N, K, G = 8 * 4096, 7168, 4096, 8
     facts = dict(ws_layout=True, row_strides=(K, K) if op == plan.M_GROUPED else (M, M), recipe="blockwise")
     if op == plan.K_GROUPED:  # the wgrad stores through a host descriptor over out, loads through device ones
         facts |= dict(out_itemsize=4, out_span=N * K, tma_store_layout=True)
     problem = plan.Problem(op, M, N, K, G, "float8_e4m3fn", max_stride=M, **facts)
     assert plan.plan(problem, SM90, TORCH).kernel == f"{op}_fp8_ws"
+    jax_gpu = plan.plan(problem, SM90, plan.JAX_GPU)
+    assert jax_gpu.kernel == f"{op}_fp8_ws"
     if op == plan.K_GROUPED:
-        for caps in (
-            dataclasses.replace(TORCH, host_descriptors=False),
-            dataclasses.replace(TORCH, global_scratch=False),
-        ):
-            assert plan.plan(problem, SM90, caps).kernel == "k_grouped_fp8", caps
+        assert (
+            jax_gpu.meta["OUT_DESC_ON_DEVICE"]
+            and not plan.plan(problem, SM90, TORCH).meta["OUT_DESC_ON_DEVICE"]
+        )
+        no_scratch = dataclasses.replace(TORCH, global_scratch=False)
+        assert plan.plan(problem, SM90, no_scratch).kernel == "k_grouped_fp8"
         assert (
             plan.plan(dataclasses.replace(problem, tma_store_layout=False), SM90, TORCH).kernel
             == "k_grouped_fp8"
