@@ -34,8 +34,8 @@ INTERPRET = plan.INTERPRET
 
 
 def capabilities(target: Target) -> plan.Capabilities:
-    """What the executor of ``target`` passes: the GPU executor Triton's global scratch and Gluon kernels
-    (``moegemm._src.jax.gpu``), the interpreter neither; no host descriptors either way."""
+    """What the FP8 launches on ``target`` plan with: the GPU executor passes Triton's global scratch and runs
+    Gluon kernels (``moegemm._src.jax.gpu``), the interpreter neither; no host descriptors either way."""
     return plan.JAX if target.name == "interpret" else plan.JAX_GPU
 
 
@@ -85,7 +85,10 @@ class Executor:
 
 
 def _plan(problem: plan.Problem, target: Target) -> plan.Plan:
-    return plan.plan(problem, target, capabilities(target))
+    """The BF16/FP16/FP32 launches' plan: without the scratch, as they were tuned and tested from JAX (with it the
+    wgrad would pick the TMA-only candidates, measured with TMA, which these launches do not take; docs/design.md,
+    'JAX front end')."""
+    return plan.plan(problem, target, plan.JAX)
 
 
 def _launch_options(
