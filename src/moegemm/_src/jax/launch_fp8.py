@@ -40,6 +40,13 @@ def _sizes_arg(group_sizes: jax.Array | None, x: jax.Array) -> jax.Array:
     return x if group_sizes is None else group_sizes
 
 
+def _kernel_args(kernel, values: dict) -> dict:
+    """The entries of ``values`` that are ``kernel``'s parameters: the Triton and the warp-specialized kernel of one
+    GEMM share the names of the sizes and strides they both take."""
+    names = {p.name for p in kernel.params}
+    return {k: v for k, v in values.items() if k in names}
+
+
 def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
 
@@ -326,14 +333,9 @@ def m_grouped_mm_fp8_call(
     out_shape = _sds((M, N), out_dtype)
     if launch.kernel == "m_grouped_fp8_ws":
         # No bias: sx fills bias_ptr's slot. The ints go at run time (the executor), as PyTorch passes them.
-        ws_sizes = {
-            k: sizes[k] for k in ("M", "N", "K", "G", "stride_xm", "stride_wn", "stride_om", "stride_on")
-        }
-        ws_sizes |= dict(stride_bg=0, stride_bn=0, **dict(zip(names, scale_strides)))
+        meta = {**launch.meta, **_kernel_args(m_grouped_mm_fp8_ws_kernel, sizes)}
         args = (x, w, sx, sw, group_sizes, sx)
-        return KernelCall(
-            m_grouped_mm_fp8_ws_kernel, launch.grid, args, out_shape, {**launch.meta, **ws_sizes}, {}
-        )
+        return KernelCall(m_grouped_mm_fp8_ws_kernel, launch.grid, args, out_shape, meta, {})
     # No bias (HAS_BIAS=False): the kernel never reads bias_ptr; sx fills the slot. The expert block's pointers
     # (gather, act, row_scale, act_out, ds) are not read without its options.
     args = (
@@ -400,15 +402,6 @@ def k_grouped_mm_fp8_call(
     # Scales of the wgrad operands: [G] (tensorwise), [G, K] (rowwise), [blocks, K] (blockwise).
     scale_strides = lambda s: (1, 0) if s.ndim == 1 else (s.shape[1], 1)
     out_shape = _sds((G, K, N), out_dtype)
-    if launch.kernel == "k_grouped_fp8_ws":
-        # The kernel makes out's descriptor (OUT_DESC_ON_DEVICE): a_t fills the host descriptor's slot.
-        ws_sizes = dict(M=M, N=N, K=K, G=G, stride_ak=M_t, stride_bn=M_t)
-        ws_sizes |= dict(zip(("stride_sag", "stride_sak"), scale_strides(sa)))
-        ws_sizes |= dict(zip(("stride_sbg", "stride_sbn"), scale_strides(sb)))
-        args = (a_t, a_t, b_t, sa, sb, group_sizes)
-        return KernelCall(
-            k_grouped_mm_fp8_ws_kernel, launch.grid, args, out_shape, {**launch.meta, **ws_sizes}, {}
-        )
     sizes = dict(
         M=M,
         N=N,
@@ -425,6 +418,11 @@ def k_grouped_mm_fp8_call(
     )
     sizes |= dict(zip(("stride_sag", "stride_sak"), scale_strides(sa)))
     sizes |= dict(zip(("stride_sbg", "stride_sbn"), scale_strides(sb)))
+    if launch.kernel == "k_grouped_fp8_ws":
+        # The kernel makes out's descriptor (OUT_DESC_ON_DEVICE): a_t fills the host descriptor's slot.
+        meta = {**launch.meta, **_kernel_args(k_grouped_mm_fp8_ws_kernel, sizes)}
+        args = (a_t, a_t, b_t, sa, sb, group_sizes)
+        return KernelCall(k_grouped_mm_fp8_ws_kernel, launch.grid, args, out_shape, meta, {})
     # Without accumulation the kernel never reads c_ptr; a_t fills the slot.
     args = (a_t, b_t, sa, sb, group_sizes, _offset_arg(group_offset, group_sizes), a_t if c is None else c)
     aliases = {} if c is None else {6: 0}
