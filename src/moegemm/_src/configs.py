@@ -272,8 +272,8 @@ def candidates(op: str, target: str, tma: bool = True) -> list:
 
 
 # Configs whose measurements (tune records, the fitted model, cache entries) came from launches with the
-# TMA store or TMA loads, which only the PyTorch front end's BF16 launches take on sm90 (JAX's set no TMA
-# layout facts): the flat 128 x 256 loop stores through its staging tile there.
+# TMA store or TMA loads, which only the PyTorch front end's BF16 launches take on sm90 (JAX's plan without
+# the scratch: jax/launch.py, _plan): the flat 128 x 256 loop stores through its staging tile there.
 # The 4-stage m-grouped 128 x 256 was measured with TMA loads on forward launches only (K-contiguous weight;
 # on dgrad it lost 2-19%, and the cost model has no layout term): the launcher offers it only there.
 TMA_ONLY = frozenset(

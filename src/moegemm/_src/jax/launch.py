@@ -167,8 +167,8 @@ def m_grouped_mm_call(
     )
     sizes |= dict(stride_wg=stride_wg, stride_wk=stride_wk, stride_wn=stride_wn)
     out_shape = jax.ShapeDtypeStruct((M, N), jnp.dtype(out_dtype))
-    # No bias (HAS_BIAS=False): the kernel never reads bias_ptr; x fills that slot. TMA_STORE stays off: the
-    # problem sets no TMA layout facts (docs/design.md, 'JAX front end').
+    # No bias (HAS_BIAS=False): the kernel never reads bias_ptr; x fills that slot. TMA_STORE stays off: these
+    # launches plan without the scratch (``_plan``).
     # The expert block's pointers (gather, act, row_scale, act_out, ds) are not read without its options.
     args = (x, w, group_sizes, _offset_arg(group_offset, group_sizes), x, group_sizes, x, x, x, x)
     return KernelCall(m_grouped_mm_kernel, launch.grid, args, out_shape, {**launch.meta, **sizes}, {})
@@ -208,8 +208,8 @@ def k_grouped_mm_call(
     )
     launch = _plan(problem, target)
     # Without accumulation the kernel never reads c_ptr, without A_COLSUM it never writes a_colsum_ptr; any
-    # pointer fills those slots. No TMA_STORE: the problem sets no TMA layout facts
-    # (docs/design.md, 'JAX front end').
+    # pointer fills those slots. No TMA_STORE: these launches plan without the scratch
+    # (``_plan``).
     args = (
         a,
         b,
