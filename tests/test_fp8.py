@@ -767,15 +767,17 @@ def test_k_grouped_fp8_warp_specialized_clamps_bad_sizes(name, M, sizes, recipe,
 @pytest.mark.parametrize("case", shapes.SUITE, ids=[c.name for c in shapes.SUITE])
 def test_k_grouped_fp8_warp_specialized_takes_the_suite(case):
     """Every suite shape's wgrad (dW [G, N, K] = dy_t @ x_t^T) qualifies for the warp-specialized
-    kernel, except many short groups (``supported_problem``), with a config of either width."""
+    kernel, many short groups included, with a config of either width."""
     from moegemm._src import configs
     from moegemm._src.kernels import k_grouped_fp8_ws as k_ws
 
     if not k_ws.supported():
         pytest.skip("this Triton has no Gluon Hopper API")
     row_stride = fp8.transposed_columns(case.M, case.G)
-    many_short = case.G > k_ws.SHORT_GROUPS_MAX_GROUPS and case.M < k_ws.SHORT_GROUPS_MIN_ROWS * case.G
-    assert k_ws.supported_problem(False, row_stride, case.N * case.K, case.G, case.M) != many_short, case.name
+    assert k_ws.supported_problem(False, row_stride, case.N * case.K), case.name
+    assert not k_ws.supported_problem(True, row_stride, case.N * case.K), (
+        "an EP group offset takes the Triton kernel"
+    )
     pick = functools.partial(
         configs.pick_fp8_ws_config, "k_grouped_fp8_ws", G=case.G, N=case.K, K=case.N, M=case.M
     )
@@ -791,10 +793,11 @@ def test_k_grouped_fp8_warp_specialized_takes_the_suite(case):
             assert (bf16 is not None) == (not accumulate), (case.name, recipe, accumulate)
 
 
-def test_k_grouped_fp8_warp_specialized_keeps_out_of_many_short_groups():
-    """No recipe takes the warp-specialized wgrad with more than 32 groups averaging under 512 tokens (wrong results
-    measured there, docs/design.md 'The FP8 wgrad'); fewer groups, or longer ones, still do. The plan for an sm90
-    launcher with Gluon, scratch and host descriptors, bf16 dW."""
+def test_k_grouped_fp8_warp_specialized_takes_many_short_groups():
+    """Many groups of few tokens take the warp-specialized wgrad (a bf16 dW, every recipe), now that its loader
+    drains the copies through a descriptor before rewriting it (docs/design.md, 'Gluon ring protocol'); tensorwise
+    fp32 dW under 512 tokens a group keeps the Triton kernel (the measured winner). The plan for an sm90 launcher
+    with Gluon, scratch and host descriptors."""
     from moegemm._src import plan
     from moegemm._src.kernels import k_grouped_fp8_ws as k_ws
 
@@ -803,21 +806,18 @@ def test_k_grouped_fp8_warp_specialized_keeps_out_of_many_short_groups():
     target = plan.Target("sm90", "NVIDIA H100 80GB HBM3", 132)
     caps = plan.Capabilities(host_descriptors=True, global_scratch=True, gluon=True, workspace=True)
     K, N = 2048, 1536
-    for M, G, ws in [
-        (16384, 128, False),
-        (65536, 128, True),
-        (8192, 64, False),
-        (4096, 32, True),
-        (300, 4, True),
-    ]:
+    for M, G in [(16384, 128), (8192, 64), (65536, 128), (4096, 32), (300, 4)]:
         for recipe in fp8.RECIPES:
-            M_t = fp8.transposed_columns(M, G)
-            problem = plan.Problem(
-                plan.K_GROUPED, M, N, K, G, "float8_e4m3fn", max_stride=max(M_t, K * N), recipe=recipe,
-                ws_layout=True, tma_store_layout=True, row_strides=(M_t, M_t), out_span=K * N,
-            )  # fmt: skip
-            chosen = plan.plan(problem, target, caps).kernel
-            assert (chosen == "k_grouped_fp8_ws") == ws, (M, G, recipe, chosen)
+            for out_itemsize in (2, 4):
+                M_t = fp8.transposed_columns(M, G)
+                problem = plan.Problem(
+                    plan.K_GROUPED, M, N, K, G, "float8_e4m3fn", max_stride=max(M_t, K * N), recipe=recipe,
+                    ws_layout=True, tma_store_layout=True, row_strides=(M_t, M_t), out_span=K * N,
+                    out_itemsize=out_itemsize,
+                )  # fmt: skip
+                chosen = plan.plan(problem, target, caps).kernel
+                triton_kept = recipe == "tensorwise" and out_itemsize == 4 and M < 512 * G
+                assert (chosen == "k_grouped_fp8_ws") != triton_kept, (M, G, recipe, out_itemsize, chosen)
 
 
 @pytest.mark.gpu
@@ -827,8 +827,8 @@ def test_k_grouped_fp8_warp_specialized_keeps_out_of_many_short_groups():
 @pytest.mark.parametrize("recipe", fp8.RECIPES)
 def test_k_grouped_fp8_default_route_matches_the_triton_kernel_with_short_groups(recipe, G, out_dtype):
     """The wgrad's default launch with 128 tokens a group on average (balanced and skewed) equals the Triton
-    kernel's: the row- and blockwise warp-specialized launch computed 5-29% off at 64 and 128 such groups (H100,
-    2026-11-27)."""
+    kernel's: the row- and blockwise warp-specialized launch computed 5-29% off at 64 and 128 such groups before
+    its loader drained the copies through a descriptor it rewrites (H100, 2026-11-27)."""
     from moegemm._src import plan
 
     M, K, N = 128 * G, 1024, 1536

@@ -614,7 +614,7 @@ def _plan_fp8_ws(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> P
     # the loader's descriptors live in (a launcher without host descriptors: JAX).
     if not (
         p.tma_store_layout
-        and k_grouped_fp8_ws.supported_problem(p.g_total is not None, row_stride, p.out_span, p.G, p.M)
+        and k_grouped_fp8_ws.supported_problem(p.g_total is not None, row_stride, p.out_span)
     ):
         return None
     config = configs.pick_fp8_ws_config(

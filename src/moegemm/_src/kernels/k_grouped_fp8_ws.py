@@ -18,7 +18,8 @@ issues 2 x 1024 16-byte copies a step from four warps; stores from registers kee
 their wgmma until the tile is written. Here:
 - ``_loader``: makes a descriptor pair per group on the device, over the group's own token columns of a_t
   and b_t (the copy engine zero-fills box columns outside them, so no step adds a neighbour group's tokens),
-  and issues two bulk copies a step into the ring; with ``ALIGN_STEPS`` the first box starts before the
+  once the copies through the previous pair landed (``drain_copies``), and issues two bulk copies a step into
+  the ring; with ``ALIGN_STEPS`` the first box starts before the
   group, at a 128-byte aligned column (``_lead``). Descriptors need Triton's global scratch (the front end's
   allocator).
 - ``_consumer``: per step and 128-column part (a 256-wide tile has two), wgmma -> wait -> promote
@@ -47,6 +48,7 @@ from moegemm._src.kernels.gluon_hopper import (
     MAXNREG,
     TensorDescriptor,
     acquire_slot_tx,
+    drain_copies,
     fence_async_shared,
     gl,
     gluon,
@@ -90,25 +92,13 @@ SUB_N = (
 )
 
 
-# Many groups of few tokens: wrong results. Against the Triton kernel on the same operands (H100, 2026-11-27), row-
-# and blockwise launches computed 0.05-0.29 relative error with 64 and 128 groups of 128 tokens on average (fp32 dW,
-# balanced and skewed); exact or 1e-4 with 8-32 groups of 512-1024 tokens, and the GPU tests' 3-4 groups of 75-900
-# tokens pass. Tensorwise was not run there (its fp32 dW takes the Triton kernel below 512 tokens a group). The
-# cause is not found (docs/design.md, 'The FP8 wgrad'); every recipe keeps out of that regime.
-SHORT_GROUPS_MAX_GROUPS = 32  # more groups than this ...
-SHORT_GROUPS_MIN_ROWS = 512  # ... averaging fewer tokens than this: the Triton kernel
-
-
-def supported_problem(has_group_offset: bool, row_stride: int, out_span: int, G: int = 1, M: int = 0) -> bool:
+def supported_problem(has_group_offset: bool, row_stride: int, out_span: int) -> bool:
     """Problems this kernel takes: no EP offset, 16-byte rows of the transposed copies whose token columns fit
     int32 TMA coordinates (``row_stride``: the larger of a_t's and b_t's row strides, each a multiple of 16 and
-    at least the token columns), offsets inside one out[g] (``out_span``: its last element's offset + 1)
-    that fit int32, and not many short groups (more than SHORT_GROUPS_MAX_GROUPS groups averaging under
-    SHORT_GROUPS_MIN_ROWS tokens; M tokens in G groups)."""
-    short_groups = G > SHORT_GROUPS_MAX_GROUPS and M < SHORT_GROUPS_MIN_ROWS * G
+    at least the token columns), and offsets inside one out[g] (``out_span``: its last element's offset + 1)
+    that fit int32."""
     return (
         supported()
-        and not short_groups
         and not has_group_offset
         and row_stride % 16 == 0
         and row_stride < 2**31
@@ -175,6 +165,7 @@ def _loader(
         b_ptr, [N, T_ALIGN], [stride_bn, 1], [BLOCK_N, BLOCK_R], b_bufs.layout
     )
     desc_g = -1
+    desc_step = 0  # the first step that copied through the current descriptor pair
     step = 0
     for tile in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
         g, k0, n0 = _locate(tile, K, N, BLOCK_K, BLOCK_N, GROUP_M)
@@ -182,7 +173,9 @@ def _loader(
         col0 = pick(t_units, offs, g) * T_ALIGN
         lead = _lead(col0, SCALING, BLOCK_R, ALIGN_STEPS)
         if g != desc_g:  # a group's tiles are consecutive: one descriptor pair per group
+            drain_copies(ready, desc_step, step)
             desc_g = g
+            desc_step = step
             # Over the group's own columns (a nonzero extent; an empty group loads nothing): a box column
             # before 0 or from rows on lands as zeros.
             extent = gl.maximum(rows, 1)

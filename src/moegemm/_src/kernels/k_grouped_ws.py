@@ -12,8 +12,8 @@ the tensor pipe ~61% busy (gpt-oss-20b). Here the copies leave the MMA warps' pa
 
 The ring, its protocol and the partitions are ``gluon_hopper``'s (``warp_specialize_ring``); this module adds:
 - ``_loader``: makes a TMA descriptor pair per group on the device, over a [row_end, Ka] and b [row_end, Nb]
-  (the copy engine zero-fills the rows past the group's end, so no step adds the next group's rows), and
-  issues three bulk copies a step into the ring: a's [BLOCK_R, 64] column halves and b's [BLOCK_R, BLOCK_N]
+  (the copy engine zero-fills the rows past the group's end, so no step adds the next group's rows), once the
+  copies through the previous pair landed (``drain_copies``), and issues three bulk copies a step into the ring: a's [BLOCK_R, 64] column halves and b's [BLOCK_R, BLOCK_N]
   rows. Descriptors need Triton's global scratch (the front end's allocator).
 - ``_consumer`` (two warpgroups): out rows [k0 + 64 h, k0 + 64 h + 64) of every tile, wgmma with a's half
   read transposed from shared memory and one wgmma in flight; a finished half tile goes through a staging
@@ -36,6 +36,7 @@ from moegemm._src.kernels.gluon_hopper import (
     LOADER_WARPS,
     MAXNREG,
     acquire_slot_tx,
+    drain_copies,
     fence_async_shared,
     gl,
     gluon,
@@ -106,6 +107,7 @@ def _loader(
     total_tiles = G * gl.cdiv(K, BLOCK_K) * gl.cdiv(N, BLOCK_N)
     step = 0
     desc_g = -1
+    desc_step = 0  # the first step that copied through the current descriptors
     a_desc = tma.make_tensor_descriptor(a_ptr, [1, K], [stride_am, 1], [BLOCK_R, HALF_K], a_layout)
     b_desc = tma.make_tensor_descriptor(b_ptr, [1, N], [stride_bm, 1], [BLOCK_R, BLOCK_N], b_layout)
     for tile in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
@@ -113,7 +115,9 @@ def _loader(
         # Descriptors end at the group's last row; a nonzero extent, and an empty group's one step starts at it.
         extent = gl.maximum(row_end, 1)
         if g != desc_g:
+            drain_copies(ready, desc_step, step)
             desc_g = g
+            desc_step = step
             a_desc = tma.make_tensor_descriptor(
                 a_ptr, [extent, K], [stride_am, 1], [BLOCK_R, HALF_K], a_layout
             )
