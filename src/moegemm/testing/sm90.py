@@ -571,8 +571,9 @@ KERNELS = {
 
 
 def compile_kernel(name: str) -> dict:
-    """{"kernel", "shared" (bytes), "ctas_per_sm", "spill_bytes" (None if unknown)} of one KERNELS entry, compiled for
-    sm_90a (``compile_source``)."""
+    """{"kernel", "shared" (bytes), "ctas_per_sm", "spill_bytes" (None if unknown), "scratch" (Triton's global
+    scratch a program, bytes), "descriptors" (tensor maps the kernel makes: their global-address writes in the
+    PTX)} of one KERNELS entry, compiled for sm_90a (``compile_source``)."""
     fn, meta, pointers, *values = {**KERNELS, **UNALIGNED}[name]()
     compiled = compile_source(fn, meta, pointers, values[0] if values else None)
     return {
@@ -581,6 +582,8 @@ def compile_kernel(name: str) -> dict:
         "shared": compiled.metadata.shared,
         "ctas_per_sm": meta.get("ctas_per_sm", 1),
         "spill_bytes": _spills(compiled.asm["ptx"]),
+        "scratch": getattr(compiled.metadata, "global_scratch_size", 0) or 0,
+        "descriptors": compiled.asm["ptx"].count("tensormap.replace.tile.global_address"),
     }
 
 

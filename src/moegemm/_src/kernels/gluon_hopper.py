@@ -191,15 +191,15 @@ def wait_slot(ready, step):
 
 
 @gluon.jit
-def drain_copies(ready, first_step, step):
-    """Loader, before it rewrites a descriptor that steps [first_step, step) copied through: waits until those
-    copies landed. A bulk copy reads its descriptor from global memory when the copy engine runs it, not when
-    the loader issues it, so a descriptor rewritten under an in-flight copy sends that copy to the new
-    descriptor's columns (docs/design.md, 'Gluon ring protocol'). Steps before step - NUM_STAGES landed
+def drain_copies(ready, first_step, end_step, step):
+    """Loader at ``step``, before it rewrites a descriptor that steps [first_step, end_step) copied through:
+    waits until those copies landed. A bulk copy reads its descriptor from global memory when the copy engine
+    runs it, not when the loader issues it, so a descriptor rewritten under an in-flight copy sends that copy to
+    the new descriptor's columns (docs/design.md, 'Gluon ring protocol'). Steps before step - NUM_STAGES landed
     already (their slots were released before this loader acquired step - 1's), and none of the waited ready
     barriers has been re-armed since (the loader arms them, at step and later)."""
     NUM_STAGES: gl.constexpr = ready.shape[0]
-    for j in range(gl.maximum(first_step, step - NUM_STAGES), step):
+    for j in range(gl.maximum(first_step, step - NUM_STAGES), end_step):
         mbarrier.wait(ready.index(j % NUM_STAGES), (j // NUM_STAGES) & 1)
 
 

@@ -147,6 +147,24 @@ def _steps(rows, lead, BLOCK_R: gl.constexpr):
 
 
 @gluon.jit
+def _group_descs(a_ptr, b_ptr, col0, rows, K, N, stride_ak, stride_bn, a_bufs, b_bufs):
+    """a_t's and b_t's descriptors over one group's own token columns [col0, col0 + rows) (a nonzero extent; an
+    empty group loads nothing): a box column before 0 or from rows on lands as zeros. Each call site is one
+    descriptor slot of Triton's global scratch a program."""
+    BLOCK_K: gl.constexpr = a_bufs.shape[1]
+    BLOCK_N: gl.constexpr = b_bufs.shape[1]
+    BLOCK_R: gl.constexpr = a_bufs.shape[2]
+    extent = gl.maximum(rows, 1)
+    a_desc = tma.make_tensor_descriptor(
+        a_ptr + col0, [K, extent], [stride_ak, 1], [BLOCK_K, BLOCK_R], a_bufs.layout
+    )
+    b_desc = tma.make_tensor_descriptor(
+        b_ptr + col0, [N, extent], [stride_bn, 1], [BLOCK_N, BLOCK_R], b_bufs.layout
+    )
+    return a_desc, b_desc
+
+
+@gluon.jit
 def _loader(
     a_ptr, b_ptr, group_sizes_ptr, a_bufs, b_bufs, ready, empty, M, N, K, G, stride_ak, stride_bn,
     NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_R: gl.constexpr,
@@ -158,14 +176,17 @@ def _loader(
     STEP_BYTES: gl.constexpr = BLOCK_R * (BLOCK_K + BLOCK_N) * a_bufs.dtype.primitive_bitwidth // 8
     offs, rows_g, t_units, block_base = _group_space(group_sizes_ptr, G, M, BLOCK_G, BLOCK_R)
     total_tiles = G * gl.cdiv(K, BLOCK_K) * gl.cdiv(N, BLOCK_N)
-    a_desc = tma.make_tensor_descriptor(
-        a_ptr, [K, T_ALIGN], [stride_ak, 1], [BLOCK_K, BLOCK_R], a_bufs.layout
-    )
-    b_desc = tma.make_tensor_descriptor(
-        b_ptr, [N, T_ALIGN], [stride_bn, 1], [BLOCK_N, BLOCK_R], b_bufs.layout
-    )
+    # Two descriptor pairs, taken in turns group by group: a rewrite waits for the copies through its pair two
+    # groups back, not for the ones just issued, so the loader stays ahead where groups take one or two steps a
+    # tile (docs/design.md, 'The FP8 wgrad'). Both pairs stay live across the loop, so Triton's global scratch
+    # allocator gives them separate slots (pairs made in exclusive branches only would share one). Pair 0's
+    # copies were steps [first0, first1), pair 1's [first1, first0).
+    a_desc0, b_desc0 = _group_descs(a_ptr, b_ptr, 0, T_ALIGN, K, N, stride_ak, stride_bn, a_bufs, b_bufs)
+    a_desc1, b_desc1 = _group_descs(a_ptr, b_ptr, 0, T_ALIGN, K, N, stride_ak, stride_bn, a_bufs, b_bufs)
     desc_g = -1
-    desc_step = 0  # the first step that copied through the current descriptor pair
+    pair = 1  # the pair the current group's copies go through
+    first0 = 0
+    first1 = 0
     step = 0
     for tile in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
         g, k0, n0 = _locate(tile, K, N, BLOCK_K, BLOCK_N, GROUP_M)
@@ -173,22 +194,29 @@ def _loader(
         col0 = pick(t_units, offs, g) * T_ALIGN
         lead = _lead(col0, SCALING, BLOCK_R, ALIGN_STEPS)
         if g != desc_g:  # a group's tiles are consecutive: one descriptor pair per group
-            drain_copies(ready, desc_step, step)
             desc_g = g
-            desc_step = step
-            # Over the group's own columns (a nonzero extent; an empty group loads nothing): a box column
-            # before 0 or from rows on lands as zeros.
-            extent = gl.maximum(rows, 1)
-            a_desc = tma.make_tensor_descriptor(
-                a_ptr + col0, [K, extent], [stride_ak, 1], [BLOCK_K, BLOCK_R], a_bufs.layout
-            )
-            b_desc = tma.make_tensor_descriptor(
-                b_ptr + col0, [N, extent], [stride_bn, 1], [BLOCK_N, BLOCK_R], b_bufs.layout
-            )
+            if pair == 1:
+                drain_copies(ready, first0, first1, step)
+                first0 = step
+                a_desc0, b_desc0 = _group_descs(
+                    a_ptr, b_ptr, col0, rows, K, N, stride_ak, stride_bn, a_bufs, b_bufs
+                )
+            else:
+                drain_copies(ready, first1, first0, step)
+                first1 = step
+                a_desc1, b_desc1 = _group_descs(
+                    a_ptr, b_ptr, col0, rows, K, N, stride_ak, stride_bn, a_bufs, b_bufs
+                )
+            pair = 1 - pair
         for s in range(_steps(rows, lead, BLOCK_R)):
             slot, bar = acquire_slot_tx(ready, empty, step, STEP_BYTES)
-            tma_load(a_desc, [k0, s * BLOCK_R - lead], bar, a_bufs.index(slot))
-            tma_load(b_desc, [n0, s * BLOCK_R - lead], bar, b_bufs.index(slot))
+            col = s * BLOCK_R - lead
+            if pair == 0:
+                tma_load(a_desc0, [k0, col], bar, a_bufs.index(slot))
+                tma_load(b_desc0, [n0, col], bar, b_bufs.index(slot))
+            else:
+                tma_load(a_desc1, [k0, col], bar, a_bufs.index(slot))
+                tma_load(b_desc1, [n0, col], bar, b_bufs.index(slot))
             step += 1
 
 

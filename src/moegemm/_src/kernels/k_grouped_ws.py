@@ -115,7 +115,7 @@ def _loader(
         # Descriptors end at the group's last row; a nonzero extent, and an empty group's one step starts at it.
         extent = gl.maximum(row_end, 1)
         if g != desc_g:
-            drain_copies(ready, desc_step, step)
+            drain_copies(ready, desc_step, step, step)
             desc_g = g
             desc_step = step
             a_desc = tma.make_tensor_descriptor(
