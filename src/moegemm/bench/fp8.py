@@ -474,7 +474,8 @@ def run(
     for s in bench.extra["grouped_linear_step"]:
         console.print(
             f"GroupedLinear step {s['case']} {s['mode']} {s['recipe']}: {s['ms']:.3f} ms, {s['speedup_vs_bf16']:.2f}x "
-            f"of bf16 (device time {s['device_ms']:.3f} ms, {s['device_speedup_vs_bf16']:.2f}x), peak {s['peak_mb']} MB ({s['peak_mb_produced_input']} MB with the input made in the step)"
+            f"of bf16 (device time {s['device_ms']:.3f} ms, {s['device_speedup_vs_bf16']:.2f}x), peak "
+            f"{s['peak_mb']} MB ({s['peak_mb_produced_input']} MB with the input made in the step)"
         )
     result = {
         "meta": {

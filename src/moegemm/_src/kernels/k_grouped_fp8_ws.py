@@ -19,9 +19,9 @@ their wgmma until the tile is written. Here:
 - ``_loader``: makes a descriptor pair per group on the device, over the group's own token columns of a_t
   and b_t (the copy engine zero-fills box columns outside them, so no step adds a neighbour group's tokens),
   in one of two pairs taken in turns, once the copies through that pair (two groups back) landed
-  (``drain_copies``), and issues two bulk copies a step into the ring; with ``ALIGN_STEPS`` the first box starts before the
-  group, at a 128-byte aligned column (``_lead``). Descriptors need Triton's global scratch (the front end's
-  allocator).
+  (``drain_copies``), and issues two bulk copies a step into the ring; with ``ALIGN_STEPS`` the first box
+  starts before the group, at a 128-byte aligned column (``_lead``). Descriptors need Triton's global scratch
+  (the front end's allocator).
 - ``_consumer``: per step and 128-column part (a 256-wide tile has two), wgmma -> wait -> promote
   (blockwise: this step's scale vectors, read from global memory under the wgmma), the slot released after
   the last part's wgmma; then each part's epilogue: the accumulator goes through this consumer's staging

@@ -13,8 +13,9 @@ the tensor pipe ~61% busy (gpt-oss-20b). Here the copies leave the MMA warps' pa
 The ring, its protocol and the partitions are ``gluon_hopper``'s (``warp_specialize_ring``); this module adds:
 - ``_loader``: makes a TMA descriptor pair per group on the device, over a [row_end, Ka] and b [row_end, Nb]
   (the copy engine zero-fills the rows past the group's end, so no step adds the next group's rows), once the
-  copies through the previous pair landed (``drain_copies``), and issues three bulk copies a step into the ring: a's [BLOCK_R, 64] column halves and b's [BLOCK_R, BLOCK_N]
-  rows. Descriptors need Triton's global scratch (the front end's allocator).
+  copies through the previous pair landed (``drain_copies``), and issues three bulk copies a step into the
+  ring: a's [BLOCK_R, 64] column halves and b's [BLOCK_R, BLOCK_N] rows. Descriptors need Triton's global
+  scratch (the front end's allocator).
 - ``_consumer`` (two warpgroups): out rows [k0 + 64 h, k0 + 64 h + 64) of every tile, wgmma with a's half
   read transposed from shared memory and one wgmma in flight; a finished half tile goes through a staging
   tile and leaves by a TMA store over out's 2-D view [G * Ka, Nb] (Ka % 64 == 0: a half tile's rows are all
