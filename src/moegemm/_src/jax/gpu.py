@@ -13,8 +13,8 @@ parameter list.
 A ``KernelCall``'s ``meta`` holds every non-array argument. The kernel's constexpr parameters are compiled in; its
 other ints are passed at run time, specialized as Triton's own launcher does (16-divisibility, 1 compiled in), so
 a kernel runs as its PyTorch launch does: the warp-specialized kernels with their sizes compiled in as constants
-fail to compile on small shapes (an LLVM assertion in ConvertTritonGPUToLLVM, 2026-11-27). The other meta keys (num_warps, num_stages,
-maxnreg) are compile options. Compiled kernels are cached per specialization.
+fail to compile on small shapes (an LLVM assertion in ConvertTritonGPUToLLVM, 2026-11-27). The other meta keys
+(num_warps, num_stages, maxnreg) are compile options. Compiled kernels are cached per specialization.
 """
 
 from __future__ import annotations
