@@ -228,8 +228,9 @@ TABLE: dict[tuple[str, str], list[tuple[object, str]]] = {
     ],
     # The wgrad (TMA loader, TMA store or reduce-add epilogue), the ring as deep as fits beside two 64 x 128
     # staging tiles (5 or 3 slots with fp32 dW, 6 or 4 with bf16), dsv3-ep8-fc1 tensorwise TF/s 128 vs 256: bf16
-    # dW 684 vs 841, fp32 599 vs 664, accumulating 419 vs 431; blockwise at 256 spills 1.5-2.4 KB a thread
-    # (505 vs 203 fp32). docs/design.md, 'The FP8 wgrad'.
+    # dW 684 vs 841, fp32 599 vs 664; blockwise at 256 spills 1.8 KB a thread with an fp32 out (505 vs 203 TF/s)
+    # and is no faster with a bf16 one (0.93-1.09x). Accumulating, 128 wide reads out's tile ahead into the
+    # staging tile: 0.95-1.38x of 256 wide's reduce-add (2026-11-27). docs/design.md, 'The FP8 wgrad'.
     ("k_grouped_fp8_ws", "sm90"): [
         (Fp8WsConfig(128, 6, 8, 240), "128 x 128, TMA loader, TMA-store epilogue under the next tile"),
         (Fp8WsConfig(256, 4, 8, 240), "128 x 256: a quarter fewer operand bytes per FLOP"),
@@ -365,22 +366,24 @@ def pick_fp8_ws_config(
     kernel's tuned 64-row tiles do not.
 
     k-grouped (out_itemsize, accumulate: the wgrad's output): 128 x 256 for tensorwise and rowwise, 128 x 128
-    for blockwise, whose two scale vectors a step spill kilobytes at 256 (table notes). Where groups average
-    under 512 tokens (one to three 128-token steps a tile) the Triton kernel keeps tensorwise fp32 outputs, the
-    place it won (qwen3-30b-fc1: 1.39 vs 1.62 ms accumulating, 0.75 vs 0.76 storing; docs/design.md, 'The FP8
-    wgrad'), and accumulation into a 2-byte out."""
+    for blockwise, whose two scale vectors a step spill kilobytes at 256 with an fp32 out (table notes), and
+    128 x 128 for every recipe accumulating, whose one part a tile reads out's tile into the staging tile under
+    the tile's steps (0.95-1.38x of the 256-wide reduce-add, geomean 1.13x; docs/design.md, 'The FP8 wgrad').
+    Where groups average under 512 tokens (one to three 128-token steps a tile) the Triton kernel keeps
+    tensorwise fp32 stores, the place it won (qwen3-30b-fc1: 0.75 vs 0.76 ms), and accumulation into a 2-byte
+    out."""
     if device_name:
         hit = load_cache(device_name).get(cache_key(op, dtype, G, N, K, M))
         if hit is not None:
             return Fp8WsConfig(**hit)
     if op == "k_grouped_fp8_ws":
-        if M < 512 * max(G, 1) and out_itemsize == 4 and recipe == "tensorwise":
+        if M < 512 * max(G, 1) and out_itemsize == 4 and recipe == "tensorwise" and not accumulate:
             return None
-        # A TMA reduce-add into a 2-byte out would round the tile before the sum (docs/design.md, 'The FP8 wgrad').
+        # A 2-byte out accumulated into would be rounded twice (docs/design.md, 'The FP8 wgrad').
         if accumulate and out_itemsize < 4:
             return None
         narrow, wide = candidates(op, "sm90")[:2]
-        return narrow if recipe == "blockwise" else wide
+        return narrow if recipe == "blockwise" or accumulate else wide
     wide, narrow = candidates(op, "sm90")[:2]
     config = wide if K >= 2560 and N > narrow.block_n else narrow
     if recipe != "blockwise" and config is wide and M < 256 * max(G, 1):

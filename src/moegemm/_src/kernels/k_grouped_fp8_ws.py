@@ -25,8 +25,10 @@ their wgmma until the tile is written. Here:
 - ``_consumer``: per step and 128-column part (a 256-wide tile has two), wgmma -> wait -> promote
   (blockwise: this step's scale vectors, read from global memory under the wgmma), the slot released after
   the last part's wgmma; then each part's epilogue: the accumulator goes through this consumer's staging
-  tile and leaves by a TMA store (accumulating: a TMA reduce-add into out, which reads nothing back into
-  the SM) over out viewed [G * Ka, Nb], which runs under the next tile's steps.
+  tile and leaves by a TMA store over out viewed [G * Ka, Nb], which runs under the next tile's steps.
+  Accumulating with one part a tile (128 wide), the consumer first reads out's tile into its staging tile
+  by TMA at the tile's start, adds it in registers in the epilogue and stores the sum; with two parts it
+  reduce-adds each through the staging tile (``cp.reduce.async.bulk.tensor``).
   A half tile that would cross into out[g + 1] (Ka not a multiple of 64, the last k tile) is stored
   from registers, masked.
 Every partition walks the same persistent tile sequence (``tile -> (g, k_tile, n_tile)``, a group's
@@ -52,6 +54,7 @@ from moegemm._src.kernels.gluon_hopper import (
     fence_async_shared,
     gl,
     gluon,
+    mbarrier,
     operand_ring,
     release_slot,
     ring_barriers,
@@ -222,8 +225,8 @@ def _loader(
 
 @gluon.jit
 def _consumer(
-    out_desc, out_ptr, sa_ptr, sb_ptr, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, M, N, K, G,
-    stride_sag, stride_sak, stride_sbg, stride_sbn, NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr,
+    out_desc, out_ptr, sa_ptr, sb_ptr, group_sizes_ptr, a_bufs, b_bufs, c_bufs, c_ready, ready, empty, M, N, K,
+    G, stride_sag, stride_sak, stride_sbg, stride_sbn, NUM_PROGRAMS: gl.constexpr, BLOCK_K: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_R: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_G: gl.constexpr,
     ACCUMULATE: gl.constexpr, SCALING: gl.constexpr, ALIGN_STEPS: gl.constexpr, HALF: gl.constexpr,
 ):  # fmt: skip
@@ -239,6 +242,11 @@ def _consumer(
     offs, rows_g, t_units, block_base = _group_space(group_sizes_ptr, G, M, BLOCK_G, BLOCK_R)
     total_tiles = G * gl.cdiv(K, BLOCK_K) * gl.cdiv(N, BLOCK_N)
     c_smem = c_bufs.index(HALF)
+    c_bar = c_ready.index(HALF)
+    # Accumulating with one part a tile: out's tile is read into the staging tile by TMA while the tile's steps
+    # run, added in registers and stored back (docs/design.md, 'The FP8 wgrad').
+    PREFETCH: gl.constexpr = ACCUMULATE and BLOCK_N == SUB_N
+    fills = 0
     partial = gl.zeros([SUB_K, SUB_N], gl.float32, layout)
     step = 0
     for tile in range(gl.program_id(0), total_tiles, NUM_PROGRAMS):
@@ -247,6 +255,14 @@ def _consumer(
         rows = pick(rows_g, offs, g)
         g_block = pick(block_base, offs, g)
         lead = _lead(pick(t_units, offs, g) * T_ALIGN, SCALING, BLOCK_R, ALIGN_STEPS)
+        # An empty group's out[g] is neither read nor written when accumulating (k_grouped.py says why); a half
+        # tile crossing Ka goes through registers (``_store``).
+        if PREFETCH and rows > 0 and k0 + SUB_K <= K:
+            tma.store_wait(0)  # the previous tile's store has read the staging tile
+            thread_barrier()
+            mbarrier.expect(c_bar, SUB_K * SUB_N * 4)
+            tma_load(out_desc, [g * K + k0, n0], c_bar, c_smem)
+            fills += 1
         acc0 = gl.zeros([SUB_K, SUB_N], gl.float32, layout)
         acc1 = gl.zeros([SUB_K, SUB_N], gl.float32, layout)
         for s in range(_steps(rows, lead, BLOCK_R)):
@@ -265,13 +281,13 @@ def _consumer(
             release_slot(empty, slot)
             step += 1
         _epilogue(
-            acc0, out_desc, out_ptr, c_smem, sa_ptr, sb_ptr, g, rows, k0, n0, K, N, stride_sag, stride_sak,
-            stride_sbg, stride_sbn, offs_k, offs_n, ACCUMULATE, SCALING,
+            acc0, out_desc, out_ptr, c_smem, c_bar, fills, sa_ptr, sb_ptr, g, rows, k0, n0, K, N, stride_sag,
+            stride_sak, stride_sbg, stride_sbn, offs_k, offs_n, ACCUMULATE, PREFETCH, SCALING,
         )  # fmt: skip
         if BLOCK_N > SUB_N:
             _epilogue(
-                acc1, out_desc, out_ptr, c_smem, sa_ptr, sb_ptr, g, rows, k0, n0 + SUB_N, K, N, stride_sag,
-                stride_sak, stride_sbg, stride_sbn, offs_k, offs_n, ACCUMULATE, SCALING,
+                acc1, out_desc, out_ptr, c_smem, c_bar, fills, sa_ptr, sb_ptr, g, rows, k0, n0 + SUB_N, K, N,
+                stride_sag, stride_sak, stride_sbg, stride_sbn, offs_k, offs_n, ACCUMULATE, False, SCALING,
             )  # fmt: skip
     tma.store_wait(0)
 
@@ -301,11 +317,13 @@ def _part(
 
 @gluon.jit
 def _epilogue(
-    acc, out_desc, out_ptr, c_smem, sa_ptr, sb_ptr, g, rows, k0, n0, K, N, stride_sag, stride_sak, stride_sbg,
-    stride_sbn, offs_k, offs_n, ACCUMULATE: gl.constexpr, SCALING: gl.constexpr,
+    acc, out_desc, out_ptr, c_smem, c_bar, fills, sa_ptr, sb_ptr, g, rows, k0, n0, K, N, stride_sag, stride_sak,
+    stride_sbg, stride_sbn, offs_k, offs_n, ACCUMULATE: gl.constexpr, PREFETCH: gl.constexpr,
+    SCALING: gl.constexpr,
 ):  # fmt: skip
     """out[g] rows [k0, k0 + 64), columns [n0, n0 + 128): tensor/row scales, then the TMA store (or
-    reduce-add) through this consumer's staging tile, or a masked store from registers for a half tile
+    reduce-add; PREFETCH: the add of out's tile, which the consumer's ``fills``-th fill brought into the staging
+    tile, and a store) through this consumer's staging tile, or a masked store from registers for a half tile
     crossing Ka."""
     k_mask = offs_k < K - k0
     n_mask = offs_n < N - n0
@@ -319,7 +337,16 @@ def _epilogue(
     # An empty group's out[g] is neither read nor written when accumulating (k_grouped.py says why).
     if ACCUMULATE:
         if rows > 0:
-            _store(acc, out_desc, out_ptr, c_smem, g, k0, n0, K, N, offs_k, offs_n, k_mask, n_mask, True)
+            if PREFETCH and k0 + acc.shape[0] <= K:
+                mbarrier.wait(c_bar, (fills - 1) & 1)
+                acc += c_smem.load(acc.type.layout)
+                thread_barrier()  # every thread read its part before any overwrites the tile
+                c_smem.store(acc)
+                fence_async_shared()
+                thread_barrier()  # every thread's part is in shared memory before the one issuing thread copies
+                tma_store(out_desc, [g * K + k0, n0], c_smem)
+            else:
+                _store(acc, out_desc, out_ptr, c_smem, g, k0, n0, K, N, offs_k, offs_n, k_mask, n_mask, True)
     else:
         _store(acc, out_desc, out_ptr, c_smem, g, k0, n0, K, N, offs_k, offs_n, k_mask, n_mask, False)
 
@@ -400,6 +427,9 @@ def k_grouped_mm_fp8_ws_kernel(
         STAGING: gl.constexpr = out_desc.block_shape  # [BLOCK_K // 2, SUB_N]
         c_bufs = gl.allocate_shared_memory(out_desc.dtype, [2, STAGING[0], STAGING[1]], out_desc.layout)
     ready, empty = ring_barriers(NUM_STAGES)
+    c_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # a staging tile's fill
+    for i in gl.static_range(2):
+        mbarrier.init(c_ready.index(i), count=1)
     warp_specialize_ring(
         _loader,
         (
@@ -408,8 +438,8 @@ def k_grouped_mm_fp8_ws_kernel(
         ),
         _consumer,
         (
-            out_desc, out_ptr, sa_ptr, sb_ptr, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, M, N, K, G,
-            stride_sag, stride_sak, stride_sbg, stride_sbn, NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M,
+            out_desc, out_ptr, sa_ptr, sb_ptr, group_sizes_ptr, a_bufs, b_bufs, c_bufs, c_ready, ready, empty, M, N,
+            K, G, stride_sag, stride_sak, stride_sbg, stride_sbn, NUM_PROGRAMS, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M,
             BLOCK_G, ACCUMULATE, SCALING, ALIGN_STEPS,
         ),
         CONSUMER_REGS,
