@@ -784,26 +784,20 @@ def test_k_grouped_fp8_warp_specialized_takes_the_suite(case):
     for recipe in fp8.RECIPES:
         for accumulate in (False, True):
             config = pick(recipe=recipe, accumulate=accumulate)
-            # fp32 dW takes it, except tensorwise stores where groups average under 512 tokens; blockwise and
-            # every accumulating launch 128 wide (one part a tile: out's tile read ahead into the staging tile).
-            short = case.M < 512 * case.G and recipe == "tensorwise" and not accumulate
-            assert (config is None) == short, (case.name, recipe, accumulate)
+            # fp32 dW takes it; blockwise and every accumulating launch 128 wide (one part a tile: out's tile
+            # read ahead into the staging tile).
+            assert config is not None, (case.name, recipe, accumulate)
             narrow = recipe == "blockwise" or accumulate
-            assert config is None or config.block_n == (128 if narrow else 256), (
-                case.name,
-                recipe,
-                accumulate,
-            )
+            assert config.block_n == (128 if narrow else 256), (case.name, recipe, accumulate)
             # bf16 dW too, but never accumulated into (the Triton kernel sums in fp32 and rounds once).
             bf16 = pick(recipe=recipe, accumulate=accumulate, out_itemsize=2)
             assert (bf16 is not None) == (not accumulate), (case.name, recipe, accumulate)
 
 
 def test_k_grouped_fp8_warp_specialized_takes_many_short_groups():
-    """Many groups of few tokens take the warp-specialized wgrad (a bf16 dW, every recipe), now that its loader
-    drains the copies through a descriptor before rewriting it (docs/design.md, 'Gluon ring protocol'); tensorwise
-    fp32 dW under 512 tokens a group keeps the Triton kernel (the measured winner). The plan for an sm90 launcher
-    with Gluon, scratch and host descriptors."""
+    """Many groups of few tokens take the warp-specialized wgrad (every recipe, bf16 and fp32 dW), now that its
+    loader drains the copies through a descriptor before rewriting it (docs/design.md, 'Gluon ring protocol'). The
+    plan for an sm90 launcher with Gluon, scratch and host descriptors."""
     from moegemm._src import plan
     from moegemm._src.kernels import k_grouped_fp8_ws as k_ws
 
@@ -822,8 +816,7 @@ def test_k_grouped_fp8_warp_specialized_takes_many_short_groups():
                     out_itemsize=out_itemsize,
                 )  # fmt: skip
                 chosen = plan.plan(problem, target, caps).kernel
-                triton_kept = recipe == "tensorwise" and out_itemsize == 4 and M < 512 * G
-                assert (chosen == "k_grouped_fp8_ws") != triton_kept, (M, G, recipe, out_itemsize, chosen)
+                assert chosen == "k_grouped_fp8_ws", (M, G, recipe, out_itemsize, chosen)
 
 
 @pytest.mark.gpu

@@ -369,16 +369,12 @@ def pick_fp8_ws_config(
     for blockwise, whose two scale vectors a step spill kilobytes at 256 with an fp32 out (table notes), and
     128 x 128 for every recipe accumulating, whose one part a tile reads out's tile into the staging tile under
     the tile's steps (0.95-1.38x of the 256-wide reduce-add, geomean 1.13x; docs/design.md, 'The FP8 wgrad').
-    Where groups average under 512 tokens (one to three 128-token steps a tile) the Triton kernel keeps
-    tensorwise fp32 stores, the place it won (qwen3-30b-fc1: 0.75 vs 0.76 ms), and accumulation into a 2-byte
-    out."""
+    The Triton kernel keeps accumulation into a 2-byte out."""
     if device_name:
         hit = load_cache(device_name).get(cache_key(op, dtype, G, N, K, M))
         if hit is not None:
             return Fp8WsConfig(**hit)
     if op == "k_grouped_fp8_ws":
-        if M < 512 * max(G, 1) and out_itemsize == 4 and recipe == "tensorwise" and not accumulate:
-            return None
         # A 2-byte out accumulated into would be rounded twice (docs/design.md, 'The FP8 wgrad').
         if accumulate and out_itemsize < 4:
             return None
