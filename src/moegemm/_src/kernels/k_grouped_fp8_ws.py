@@ -198,29 +198,69 @@ def _loader(
         lead = _lead(col0, SCALING, BLOCK_R, ALIGN_STEPS)
         if g != desc_g:  # a group's tiles are consecutive: one descriptor pair per group
             desc_g = g
+            # (Each branch names its own pair: a descriptor cannot be picked by a runtime value.)
             if pair == 1:
-                drain_copies(ready, first0, first1, step)
-                first0 = step
-                a_desc0, b_desc0 = _group_descs(
-                    a_ptr, b_ptr, col0, rows, K, N, stride_ak, stride_bn, a_bufs, b_bufs
+                first0, a_desc0, b_desc0 = _rewrite_pair(
+                    ready,
+                    first0,
+                    first1,
+                    step,
+                    a_ptr,
+                    b_ptr,
+                    col0,
+                    rows,
+                    K,
+                    N,
+                    stride_ak,
+                    stride_bn,
+                    a_bufs,
+                    b_bufs,
                 )
             else:
-                drain_copies(ready, first1, first0, step)
-                first1 = step
-                a_desc1, b_desc1 = _group_descs(
-                    a_ptr, b_ptr, col0, rows, K, N, stride_ak, stride_bn, a_bufs, b_bufs
+                first1, a_desc1, b_desc1 = _rewrite_pair(
+                    ready,
+                    first1,
+                    first0,
+                    step,
+                    a_ptr,
+                    b_ptr,
+                    col0,
+                    rows,
+                    K,
+                    N,
+                    stride_ak,
+                    stride_bn,
+                    a_bufs,
+                    b_bufs,
                 )
             pair = 1 - pair
         for s in range(_steps(rows, lead, BLOCK_R)):
             slot, bar = acquire_slot_tx(ready, empty, step, STEP_BYTES)
             col = s * BLOCK_R - lead
             if pair == 0:
-                tma_load(a_desc0, [k0, col], bar, a_bufs.index(slot))
-                tma_load(b_desc0, [n0, col], bar, b_bufs.index(slot))
+                _load_step(a_desc0, b_desc0, k0, n0, col, bar, a_bufs.index(slot), b_bufs.index(slot))
             else:
-                tma_load(a_desc1, [k0, col], bar, a_bufs.index(slot))
-                tma_load(b_desc1, [n0, col], bar, b_bufs.index(slot))
+                _load_step(a_desc1, b_desc1, k0, n0, col, bar, a_bufs.index(slot), b_bufs.index(slot))
             step += 1
+
+
+@gluon.jit
+def _rewrite_pair(
+    ready, first, other_first, step, a_ptr, b_ptr, col0, rows, K, N, stride_ak, stride_bn, a_bufs, b_bufs
+):  # fmt: skip
+    """Loader, at a change of group: once the copies through this pair (steps [first, other_first)) landed,
+    the pair over the new group's columns. Returns (the pair's first step, a_desc, b_desc)."""
+    drain_copies(ready, first, other_first, step)
+    a_desc, b_desc = _group_descs(a_ptr, b_ptr, col0, rows, K, N, stride_ak, stride_bn, a_bufs, b_bufs)
+    return step, a_desc, b_desc
+
+
+@gluon.jit
+def _load_step(a_desc, b_desc, k0, n0, col, bar, a_slot, b_slot):
+    """One step's two bulk copies: a_t rows [k0, k0 + BLOCK_K) and b_t rows [n0, n0 + BLOCK_N), token columns
+    [col, col + BLOCK_R) of the descriptors' group."""
+    tma_load(a_desc, [k0, col], bar, a_slot)
+    tma_load(b_desc, [n0, col], bar, b_slot)
 
 
 @gluon.jit
@@ -257,7 +297,8 @@ def _consumer(
         lead = _lead(pick(t_units, offs, g) * T_ALIGN, SCALING, BLOCK_R, ALIGN_STEPS)
         # An empty group's out[g] is neither read nor written when accumulating (k_grouped.py says why); a half
         # tile crossing Ka goes through registers (``_store``).
-        if PREFETCH and rows > 0 and k0 + SUB_K <= K:
+        fill = (rows > 0) & (k0 + SUB_K <= K)
+        if PREFETCH and fill:
             tma.store_wait(0)  # the previous tile's store has read the staging tile
             thread_barrier()
             mbarrier.expect(c_bar, SUB_K * SUB_N * 4)
@@ -281,12 +322,12 @@ def _consumer(
             release_slot(empty, slot)
             step += 1
         _epilogue(
-            acc0, out_desc, out_ptr, c_smem, c_bar, fills, sa_ptr, sb_ptr, g, rows, k0, n0, K, N, stride_sag,
+            acc0, out_desc, out_ptr, c_smem, c_bar, fills, fill, sa_ptr, sb_ptr, g, rows, k0, n0, K, N, stride_sag,
             stride_sak, stride_sbg, stride_sbn, offs_k, offs_n, ACCUMULATE, PREFETCH, SCALING,
         )  # fmt: skip
         if BLOCK_N > SUB_N:
             _epilogue(
-                acc1, out_desc, out_ptr, c_smem, c_bar, fills, sa_ptr, sb_ptr, g, rows, k0, n0 + SUB_N, K, N,
+                acc1, out_desc, out_ptr, c_smem, c_bar, fills, fill, sa_ptr, sb_ptr, g, rows, k0, n0 + SUB_N, K, N,
                 stride_sag, stride_sak, stride_sbg, stride_sbn, offs_k, offs_n, ACCUMULATE, False, SCALING,
             )  # fmt: skip
     tma.store_wait(0)
@@ -317,14 +358,14 @@ def _part(
 
 @gluon.jit
 def _epilogue(
-    acc, out_desc, out_ptr, c_smem, c_bar, fills, sa_ptr, sb_ptr, g, rows, k0, n0, K, N, stride_sag, stride_sak,
-    stride_sbg, stride_sbn, offs_k, offs_n, ACCUMULATE: gl.constexpr, PREFETCH: gl.constexpr,
+    acc, out_desc, out_ptr, c_smem, c_bar, fills, fill, sa_ptr, sb_ptr, g, rows, k0, n0, K, N, stride_sag,
+    stride_sak, stride_sbg, stride_sbn, offs_k, offs_n, ACCUMULATE: gl.constexpr, PREFETCH: gl.constexpr,
     SCALING: gl.constexpr,
 ):  # fmt: skip
     """out[g] rows [k0, k0 + 64), columns [n0, n0 + 128): tensor/row scales, then the TMA store (or
-    reduce-add; PREFETCH: the add of out's tile, which the consumer's ``fills``-th fill brought into the staging
-    tile, and a store) through this consumer's staging tile, or a masked store from registers for a half tile
-    crossing Ka."""
+    reduce-add; PREFETCH with ``fill``: the add of out's tile, which the consumer's ``fills``-th fill brought
+    into the staging tile, and a store) through this consumer's staging tile, or a masked store from registers
+    for a half tile crossing Ka."""
     k_mask = offs_k < K - k0
     n_mask = offs_n < N - n0
     g64 = g.to(gl.int64)
@@ -336,17 +377,13 @@ def _epilogue(
         acc *= sa[:, None] * sb[None, :]
     # An empty group's out[g] is neither read nor written when accumulating (k_grouped.py says why).
     if ACCUMULATE:
-        if rows > 0:
-            if PREFETCH and k0 + acc.shape[0] <= K:
-                mbarrier.wait(c_bar, (fills - 1) & 1)
-                acc += c_smem.load(acc.type.layout)
-                thread_barrier()  # every thread read its part before any overwrites the tile
-                c_smem.store(acc)
-                fence_async_shared()
-                thread_barrier()  # every thread's part is in shared memory before the one issuing thread copies
-                tma_store(out_desc, [g * K + k0, n0], c_smem)
-            else:
-                _store(acc, out_desc, out_ptr, c_smem, g, k0, n0, K, N, offs_k, offs_n, k_mask, n_mask, True)
+        if PREFETCH and fill:
+            mbarrier.wait(c_bar, (fills - 1) & 1)
+            acc += c_smem.load(acc.type.layout)
+            thread_barrier()  # every thread read its part before any overwrites the tile
+            _stage_out(acc, out_desc, c_smem, g * K + k0, n0, False)
+        elif rows > 0:
+            _store(acc, out_desc, out_ptr, c_smem, g, k0, n0, K, N, offs_k, offs_n, k_mask, n_mask, True)
     else:
         _store(acc, out_desc, out_ptr, c_smem, g, k0, n0, K, N, offs_k, offs_n, k_mask, n_mask, False)
 
@@ -362,13 +399,7 @@ def _store(
         # staging tile per consumer, in flight beside it, measured no faster: docs/design.md, 'The FP8 wgrad').
         tma.store_wait(0)
         thread_barrier()  # (the issuing thread waited; every thread writes the tile)
-        c_smem.store(acc.to(c_smem.dtype))
-        fence_async_shared()
-        thread_barrier()  # every thread's part is in shared memory before the one issuing thread copies
-        if ACCUMULATE:
-            tma_reduce_add(out_desc, [g * K + k0, n0], c_smem)
-        else:
-            tma_store(out_desc, [g * K + k0, n0], c_smem)
+        _stage_out(acc, out_desc, c_smem, g * K + k0, n0, ACCUMULATE)
     elif k0 < K:
         # int32 offsets inside out[g] (supported_problem bounds its span); out is contiguous.
         offsets = ((k0 + offs_k) * N)[:, None] + (n0 + offs_n)[None, :]
@@ -377,6 +408,19 @@ def _store(
         if ACCUMULATE:
             acc += gl.load(ptrs, mask=mask, other=0.0).to(gl.float32)
         gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _stage_out(acc, out_desc, c_smem, row, col, REDUCE: gl.constexpr):
+    """acc through the staging tile (free: its last store has read it) to out viewed [G * Ka, Nb] at (row, col) by
+    one TMA store, or reduce-add (REDUCE)."""
+    c_smem.store(acc.to(c_smem.dtype))
+    fence_async_shared()
+    thread_barrier()  # every thread's part is in shared memory before the one issuing thread copies
+    if REDUCE:
+        tma_reduce_add(out_desc, [row, col], c_smem)
+    else:
+        tma_store(out_desc, [row, col], c_smem)
 
 
 @gluon.jit
