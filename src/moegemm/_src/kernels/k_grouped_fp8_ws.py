@@ -201,38 +201,12 @@ def _loader(
             # (Each branch names its own pair: a descriptor cannot be picked by a runtime value.)
             if pair == 1:
                 first0, a_desc0, b_desc0 = _rewrite_pair(
-                    ready,
-                    first0,
-                    first1,
-                    step,
-                    a_ptr,
-                    b_ptr,
-                    col0,
-                    rows,
-                    K,
-                    N,
-                    stride_ak,
-                    stride_bn,
-                    a_bufs,
-                    b_bufs,
-                )
+                    ready, first0, first1, step, a_ptr, b_ptr, col0, rows, K, N, stride_ak, stride_bn, a_bufs, b_bufs,
+                )  # fmt: skip
             else:
                 first1, a_desc1, b_desc1 = _rewrite_pair(
-                    ready,
-                    first1,
-                    first0,
-                    step,
-                    a_ptr,
-                    b_ptr,
-                    col0,
-                    rows,
-                    K,
-                    N,
-                    stride_ak,
-                    stride_bn,
-                    a_bufs,
-                    b_bufs,
-                )
+                    ready, first1, first0, step, a_ptr, b_ptr, col0, rows, K, N, stride_ak, stride_bn, a_bufs, b_bufs,
+                )  # fmt: skip
             pair = 1 - pair
         for s in range(_steps(rows, lead, BLOCK_R)):
             slot, bar = acquire_slot_tx(ready, empty, step, STEP_BYTES)
