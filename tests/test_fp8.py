@@ -340,6 +340,75 @@ def test_quantize_transposed_only_matches_full(recipe, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("transpose", [True, False], ids=["pair", "data"])
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize(
+    "M,K,sizes",
+    [
+        (
+            150,
+            208,
+            [40, 0, 70, 25],
+        ),  # sum < M (rows past it count in no group), an empty group, 2 column tiles
+        (70, 33, [70, 0, 0]),  # one hot expert over several row tiles, K unaligned
+        (64, 16, [0, 0]),  # every group empty: 0
+        (45, 130, None),  # one group over all rows
+        (0, 48, [0, 0, 0]),  # T = 0
+    ],
+    ids=["skew-empty-tail", "one-hot", "all-empty", "ungrouped", "no-rows"],
+)
+def test_quantize_column_sums(M, K, sizes, recipe, transpose, backend, monkeypatch):
+    """colsum[g] = sum(x[rows(g)], 0) against fp64 (the FP8 bias gradient), written over a poisoned buffer, in
+    fp32 and bf16, with the quantize's outputs unchanged; rowwise's transposed copy takes it from its own read
+    of x, the other paths from a launch of their own (docs/design.md, 'FP8 bias gradient')."""
+    from moegemm._src.torch import ops as _ops
+
+    x = (outliers(M, K, seed=11) if M else torch.zeros(0, K)).to(DEVICE)
+    gs = None if sizes is None else torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
+    G = 1 if sizes is None else len(sizes)
+    want = torch.zeros(G, K, dtype=torch.float64)
+    for g, r in enumerate(oracle.rows(sizes or [M], M)):
+        want[g] = x[r.start : r.stop].cpu().double().sum(0)
+    launches = []
+    real = _ops.grouped_column_sums
+    monkeypatch.setattr(_ops, "grouped_column_sums", lambda *a: launches.append(a) or real(*a))
+    plain = _ops.quantize_activation_views(x, gs, recipe, torch.float8_e4m3fn, transpose, backend)
+    assert plain[4] is None and not launches
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 8e-3)):
+        torch.full((64 << 20,), -1, dtype=torch.uint8, device=DEVICE)  # freed at once: NaN-poisoned storage
+        launches.clear()
+        got = _ops.quantize_activation_views(
+            x, gs, recipe, torch.float8_e4m3fn, transpose, backend, colsum_dtype=dtype
+        )
+        assert got[4].dtype == dtype and tuple(got[4].shape) == (G, K)
+        err = relerr(got[4].cpu().double(), want) if want.norm() > 0 else got[4].abs().max().item()
+        assert err <= tol, f"{dtype}: {err:.2e}"
+        for name, a, b in zip(("data", "scale", "data_t", "scale_t"), got, plain):
+            same = a is None or torch.equal(as_bytes(a.reshape(-1)), as_bytes(b.reshape(-1)))
+            assert (a is None) == (b is None) and same, name
+        fused = backend == "triton" and recipe == "rowwise" and transpose
+        assert len(launches) == (0 if fused else 1), f"{recipe}: {len(launches)} column-sum launches"
+
+
+def test_quantize_column_sums_refuses_other_launches():
+    from moegemm._src.torch.launch_fp8 import launch_quantize_fp8
+
+    x = torch.randn(20, 32, device=DEVICE)
+    gs = torch.tensor([10, 10], dtype=torch.int32, device=DEVICE)
+    q = torch.empty(20, 32, dtype=torch.float8_e4m3fn, device=DEVICE)
+    s = torch.empty(20, device=DEVICE)
+    qt = torch.empty(32, fp8.transposed_columns(20, 2), dtype=torch.float8_e4m3fn, device=DEVICE)
+    st = torch.empty(2, 32, device=DEVICE)
+    for recipe, t, colsum, match in (
+        ("rowwise", (qt, st), torch.empty(2, 16, device=DEVICE), r"\[G, C\] = \(2, 32\).*got \(2, 16\)"),
+        ("rowwise", (None, None), torch.empty(2, 32, device=DEVICE), "transposed copy None"),
+        ("blockwise", (qt, st), torch.empty(2, 32, device=DEVICE), r"\(blockwise"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            launch_quantize_fp8(x, gs, recipe, q, s, *t, rows_per_group=20, G=2, colsum=colsum)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 class TestQuantize(QuantizeTest):
     @pytest.fixture(autouse=True)
     def _backend(self, backend):
@@ -821,6 +890,28 @@ def test_k_grouped_fp8_warp_specialized_takes_many_short_groups():
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_k_grouped_fp8_warp_specialized_takes_mixed_formats(recipe):
+    """dy in e5m2 beside an e4m3 x (TE's hybrid) through the warp-specialized wgrad: each operand's ring keeps its
+    own format (one ring typed by the other operand gave NaN dW); the Triton kernel's result within FP8 error."""
+    from moegemm._src import plan
+
+    M, K, N = 1024, 512, 384
+    sizes = [300, 0, 212, 512]
+    gs = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
+    x, dy = outliers(M, K, 3).to(DEVICE), outliers(M, N, 4).to(DEVICE)
+    x_q = quantize_fp8(x, recipe, group_sizes=gs, transpose=True)
+    dy_q = quantize_fp8(dy, recipe, group_sizes=gs, transpose=True, dtype=torch.float8_e5m2)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        got = k_grouped_mm(dy_q, x_q, gs, out_dtype=out_dtype)
+        with plan.constrain(fp8_ws=False):
+            want = k_grouped_mm(dy_q, x_q, gs, out_dtype=out_dtype)
+        assert torch.isfinite(got).all() and relerr(got, want) <= 1e-2, (recipe, out_dtype, relerr(got, want))
+    assert relerr(got.double(), k_grouped_mm_reference(dy_q, x_q, gs).double()) <= 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("G", [16, 32, 64, 128])
 @pytest.mark.parametrize("recipe", fp8.RECIPES)
@@ -1007,8 +1098,8 @@ def test_grouped_linear_fp8_step_order_keeps_one_copy_alive(recipe, monkeypatch)
     events = []
     quantize, m_grouped, k_out = _ops.quantize, _ops.m_grouped_fp8, _ops.k_grouped_fp8_out
 
-    def spy_quantize(x, gs, recipe_, dtype, transpose, G, backend, data=True):
-        parts = quantize(x, gs, recipe_, dtype, transpose, G, backend, data)
+    def spy_quantize(x, gs, recipe_, dtype, transpose, G, backend, data=True, colsum_dtype=None):
+        parts = quantize(x, gs, recipe_, dtype, transpose, G, backend, data, colsum_dtype)
         events.append(("quantize", transpose, data))
         if x.dim() == 2 and x.shape[1] == 24 and transpose:  # dy: watch its transposed copy's storage
             events.append(("dy_t", weakref.ref(parts[2])))

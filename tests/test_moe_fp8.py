@@ -99,7 +99,7 @@ def test_fused_fp8_launch_matches_its_twin_in_fp32(recipe, epilogue):
     x = torch.randn(T, d, generator=g).to(DEVICE)
     N = 2 * n if epilogue == "swiglu" else n
     w = (torch.randn(E, N, d, generator=g) * torch.rand(E, N, 1, generator=g)).to(DEVICE)
-    x_q, sx, _, _ = _ops.quantize_activation_views(x, None, recipe, _moe.E4M3, False, "reference")
+    x_q, sx, _, _, _ = _ops.quantize_activation_views(x, None, recipe, _moe.E4M3, False, "reference")
     w_q, sw, _, _ = _ops.quantize_weight_views(w, recipe, "reference")
     z = torch.randn(R, 2 * n, generator=g).to(DEVICE)
     row_scale = torch.rand(R, generator=g).to(DEVICE)
@@ -271,7 +271,7 @@ def test_tensorwise_wgrad_copy_moves_the_fp8_bytes():
     x = (torch.randn(30, 200, generator=g) * 3).to(DEVICE, torch.bfloat16)
     sizes = torch.tensor([20, 0, 25], dtype=torch.int32, device=DEVICE)
     gather = torch.randint(0, 30, (45,), generator=g, dtype=torch.int32).to(DEVICE)
-    x_q, sx, _, _ = _ops.quantize_activation_views(x, None, "tensorwise", _moe.E4M3, False, "reference")
+    x_q, sx, _, _, _ = _ops.quantize_activation_views(x, None, "tensorwise", _moe.E4M3, False, "reference")
     for backend in ("triton", "reference"):
         data_t, scale_t = _moe._rows_t(None, x_q, sx, gather, sizes, "tensorwise", backend)
         rows = x_q.view(torch.uint8)[gather.long()]

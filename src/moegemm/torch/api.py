@@ -218,7 +218,7 @@ def quantize_fp8(
     backend = resolve_backend(backend, x.device)
     if x.dim() == 3 and x.stride(0) != x.shape[1] * x.stride(1):
         x = x.contiguous()  # the kernels see a weight as [G * N, K] rows
-    data_s, scale_s, data_t_s, scale_t_s = _ops.quantize(x, sizes, recipe, dtype, transpose, G, backend)
+    data_s, scale_s, data_t_s, scale_t_s, _ = _ops.quantize(x, sizes, recipe, dtype, transpose, G, backend)
     return from_storage(x, sizes, recipe, transpose, data_s, scale_s, data_t_s, scale_t_s)
 
 

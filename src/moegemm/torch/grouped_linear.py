@@ -119,11 +119,21 @@ def _quantize_weight(weight: torch.Tensor, settings: _Fp8Settings, backend: str)
 
 
 def _quantize_activation(
-    t, group_sizes, settings: _Fp8Settings, dtype, transpose: bool, backend: str, data: bool = True
+    t,
+    group_sizes,
+    settings: _Fp8Settings,
+    dtype,
+    transpose: bool,
+    backend: str,
+    data: bool = True,
+    colsum_dtype: torch.dtype | None = None,
 ):
-    """(data, scale, data_t, scale_t) of activations t; data=False (rowwise, blockwise): the
-    transposed copy alone, data and scale None."""
-    return _ops.quantize_activation_views(t, group_sizes, settings.recipe, dtype, transpose, backend, data)
+    """(data, scale, data_t, scale_t, colsum) of activations t; data=False (rowwise, blockwise): the
+    transposed copy alone, data and scale None. colsum: t's per-group column sums in ``colsum_dtype`` (dy's
+    bias gradient, from the quantize's read of dy), else None."""
+    return _ops.quantize_activation_views(
+        t, group_sizes, settings.recipe, dtype, transpose, backend, data, colsum_dtype=colsum_dtype
+    )
 
 
 class _State:
@@ -227,7 +237,7 @@ def _fp8_forward(
     # Blockwise stays split though one read could write both: that held x's two FP8 copies and y at once,
     # +18 MB of peak on dsv3-ep8-fc1 (docs/design.md, 'Quantize').
     split = need_w and recipe != "tensorwise"
-    x_data, x_scale, x_t, x_scale_t = _quantize_activation(
+    x_data, x_scale, x_t, x_scale_t, _ = _quantize_activation(
         x, group_sizes, settings, torch.float8_e4m3fn, need_w and not split, backend
     )
     w_data, w_scale, w_t, w_scale_t = w_q
@@ -245,7 +255,7 @@ def _fp8_forward(
     )
     del x_data, x_scale
     if split:
-        _, _, x_t, x_scale_t = _quantize_activation(
+        _, _, x_t, x_scale_t, _ = _quantize_activation(
             x, group_sizes, settings, torch.float8_e4m3fn, True, backend, data=False
         )
     if out is not None:
@@ -271,11 +281,11 @@ def _fp8_backward(ctx, dy):
     backend, delay_state, bias_dtype, w_dtype, (x_dtype, M, settings) = ctx.meta
     need_x, need_w = ctx.needs_input_grad[1:3]
     dy = dy.contiguous()
-    dy_data, dy_scale, dy_t, dy_scale_t = _quantize_activation(
-        dy, group_sizes, settings, settings.grad_dtype, need_w, backend
+    dy_data, dy_scale, dy_t, dy_scale_t, db = _quantize_activation(
+        dy, group_sizes, settings, settings.grad_dtype, need_w, backend, colsum_dtype=bias_dtype
     )
     wgrad = [
-        dy,
+        db,
         dy_t,
         dy_scale_t,
         x_t,
@@ -284,12 +294,11 @@ def _fp8_backward(ctx, dy):
         M,
         ctx.main_grad,
         need_w,
-        bias_dtype,
         w_dtype,
         settings.recipe,
         backend,
     ]
-    del dy_t, dy_scale_t
+    del dy_t, dy_scale_t, db
     dw = db = None
     delayed = delay_state is not None and (need_w or bias_dtype is not None)
     if delayed:
@@ -317,7 +326,7 @@ def _fp8_backward(ctx, dy):
 
 
 def _weight_grads_fp8(
-    dy,
+    db,
     dy_t,
     dy_scale_t,
     x_t,
@@ -326,13 +335,12 @@ def _weight_grads_fp8(
     M,
     main_grad,
     need_w,
-    bias_dtype,
     w_dtype,
     recipe,
     backend,
 ):
-    """(dW [G, N, K] or None when accumulated into main_grad, dbias or None) from the FP8 copies."""
-    db = None if bias_dtype is None else _ops.grouped_column_sums(dy, group_sizes, bias_dtype, backend)
+    """(dW [G, N, K] or None when accumulated into main_grad, dbias) from the FP8 copies; dbias ``db`` (or None)
+    came from dy's quantize."""
     if not need_w:
         return None, db
     if main_grad is not None:

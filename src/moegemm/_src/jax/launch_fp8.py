@@ -247,6 +247,8 @@ def quantize_cols_call(
         stride_tr=t_strides[2],
         stride_stg=C,
         stride_stc=1,
+        stride_bg=0,  # no column sums (COLSUM): x stands in for their pointer
+        stride_bc=0,
         BLOCK_R=block_r,
         BLOCK_C=block_c,
         BLOCK_G=_block_g(G),
@@ -258,7 +260,9 @@ def quantize_cols_call(
         num_warps=warps,
     )
     outs = (qt, _sds((G, C), jnp.float32))
-    return KernelCall(qk.fp8_quantize_cols_kernel, grid, (x, _sizes_arg(group_sizes, x), x), outs, meta, {})
+    return KernelCall(
+        qk.fp8_quantize_cols_kernel, grid, (x, _sizes_arg(group_sizes, x), x, x), outs, meta, {}
+    )
 
 
 # ---------------------------------------------------------------- GEMMs

@@ -430,9 +430,10 @@ def k_grouped_mm_fp8_ws_kernel(
     NUM_STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,  # setmaxnreg of each consumer warpgroup; the loader gets the rest
 ):
-    dtype: gl.constexpr = a_ptr.dtype.element_ty
-    a_bufs = operand_ring(dtype, NUM_STAGES, BLOCK_K, BLOCK_R)
-    b_bufs = operand_ring(dtype, NUM_STAGES, BLOCK_N, BLOCK_R)
+    # Each ring in its operand's own format: dy may be e5m2 beside an e4m3 x (TE's hybrid), and a ring typed by
+    # the other operand fed wgmma the wrong format (NaN dW on the H100, 2026-11-28).
+    a_bufs = operand_ring(a_ptr.dtype.element_ty, NUM_STAGES, BLOCK_K, BLOCK_R)
+    b_bufs = operand_ring(b_ptr.dtype.element_ty, NUM_STAGES, BLOCK_N, BLOCK_R)
     if OUT_DESC_ON_DEVICE:
         STAGE_N: gl.constexpr = 128  # SUB_N (a module global, which a kernel cannot read)
         out_dtype: gl.constexpr = out_ptr.dtype.element_ty

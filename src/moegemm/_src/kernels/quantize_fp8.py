@@ -18,7 +18,8 @@ Kernels (each reads x once, except where a scale needs the whole row or group be
 - ``fp8_quantize_rows_kernel``: rowwise, one scale per row, in two sweeps over each row (amax,
   then cast); the second sweep reads the rows its program just read, from L2.
 - ``fp8_quantize_cols_kernel``: rowwise transposed copy, one scale per (group, column), the same
-  two sweeps over a group's rows.
+  two sweeps over a group's rows; optionally (COLSUM) the group's column sums from the first sweep: dy's
+  bias gradient (docs/design.md, 'FP8 bias gradient').
 """
 
 from __future__ import annotations
@@ -630,6 +631,7 @@ def fp8_quantize_cols_kernel(
     x_ptr,
     group_sizes_ptr,
     gather_ptr,  # GATHER: int32 [R], the x row each row quantizes
+    colsum_ptr,  # COLSUM: [G, C], colsum[g] = sum(x[rows(g)], 0)
     qt_ptr,
     st_ptr,  # [G, C]: one scale per (group, column)
     R,
@@ -643,6 +645,8 @@ def fp8_quantize_cols_kernel(
     stride_tr,
     stride_stg,
     stride_stc,
+    stride_bg,
+    stride_bc,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -653,6 +657,8 @@ def fp8_quantize_cols_kernel(
     FP8_MAX: tl.constexpr,
     EMULATE_CAST: tl.constexpr,  # interpreter only
     GATHER: tl.constexpr = False,  # row r is x[gather[r]] (fp8_quantize_tiles_kernel's GATHER)
+    # The group's column sums from the amax sweep (the bias gradient; docs/design.md, 'FP8 bias gradient')
+    COLSUM: tl.constexpr = False,
 ):
     # One program per (group, column tile).
     fp8_type: tl.constexpr = tl.float8e4nv if FP8_MAX == 448.0 else tl.float8e5  # qt_ptr is uint8
@@ -668,14 +674,23 @@ def fp8_quantize_cols_kernel(
     col_mask = offs_c < C - col0
     x_base = x_ptr + col0 * stride_xc + offs_c[None, :] * stride_xc
     amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    colsum = tl.zeros((BLOCK_C,), dtype=tl.float32)
     for r in tl.range(start, end, BLOCK_R, num_stages=NUM_STAGES):
         mask = (offs_r < end - r)[:, None] & col_mask[None, :]
         x = tl.load(
             x_base + _source_rows(gather_ptr, r, offs_r, end, GATHER)[:, None] * stride_xr,
             mask=mask,
             other=0.0,
+        ).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), 0))
+        if COLSUM:
+            colsum += tl.sum(x, 0)
+    if COLSUM:
+        tl.store(
+            colsum_ptr + g.to(tl.int64) * stride_bg + (col0 + offs_c) * stride_bc,
+            colsum.to(colsum_ptr.dtype.element_ty),
+            mask=col_mask,
         )
-        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), 0))
     scale = _scale(amax, FP8_MAX)
     tl.store(st_ptr + g.to(tl.int64) * stride_stg + (col0 + offs_c) * stride_stc, scale, mask=col_mask)
     # data_t as bytes (uint8): this kernel's transposed FP8 values are the only ones it stores, and its

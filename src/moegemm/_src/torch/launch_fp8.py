@@ -414,6 +414,7 @@ def launch_quantize_fp8(
     gather: torch.Tensor | None = None,
     amax: torch.Tensor | None = None,
     move_bytes: bool = False,
+    colsum: torch.Tensor | None = None,
 ) -> None:
     """Quantizes the rows of x [R, C] (a weight passes [G * N, K] with rows_per_group = N and no
     group_sizes) into q [R, C] and s, and, when qt is given, the transposed copy qt and st. Layouts
@@ -421,7 +422,9 @@ def launch_quantize_fp8(
     q and s None: the transposed copy alone (its own launch). ``gather`` int32 [R] (transposed copy alone): row r
     is x[gather[r]] (the expert block's wgrad operands, docs/design.md, 'FP8 expert block'); tensorwise then takes
     its scales from ``amax`` [G], given (the launch computes no amax of gathered rows). ``move_bytes``
-    (tensorwise, transposed copy alone): x is FP8 of qt's dtype at the copy's scale, and qt takes its bytes."""
+    (tensorwise, transposed copy alone): x is FP8 of qt's dtype at the copy's scale, and qt takes its bytes.
+    ``colsum`` [G, C] (rowwise with qt, ungathered): also colsum[g] = sum(x[rows(g)], 0), the bias gradient when x
+    is dy, from the transposed copy's amax sweep (docs/design.md, 'FP8 bias gradient')."""
     R, C = x.shape if gather is None else (gather.shape[0], x.shape[1])
     if gather is not None and (q is not None or (recipe == "tensorwise" and amax is None and not move_bytes)):
         raise ValueError(
@@ -432,11 +435,21 @@ def launch_quantize_fp8(
             f"move_bytes: a tensorwise transposed copy alone of FP8 rows into their own dtype, got {recipe}, "
             f"x {x.dtype}, data_t {None if qt is None else qt.dtype}, data {'given' if q is not None else None}"
         )
+    if colsum is not None and (
+        recipe != "rowwise" or qt is None or gather is not None or colsum.shape != (G, C)
+    ):
+        raise ValueError(
+            f"colsum: the [G, C] = {(G, C)} column sums of a rowwise transposed copy of ungathered rows, got "
+            f"{tuple(colsum.shape)} ({recipe}, transposed copy {'given' if qt is not None else None}, gather "
+            f"{'given' if gather is not None else None})"
+        )
     if C == 0 or G == 0:
         return
     if R == 0:
         # No rows: every group is empty, so its scales are 1 (a zero block's) and the transposed copy's padding
         # columns are zeros, as the twins write them; a wgrad reads both.
+        if colsum is not None:
+            colsum.zero_()
         for t in (s, st):
             if t is not None:
                 t.fill_(1.0)
@@ -482,10 +495,27 @@ def launch_quantize_fp8(
             )
         if qt is not None:
             t_strides = qt.stride() if qt.dim() == 3 else (0, *qt.stride())
+            fused = colsum is not None
             QUANTIZE_COLS.launch(
-                ("cols", x.device, R, C, G, has_sizes, qt.dim(), fp8_max, gather is not None),
-                (x, sizes, sizes if gather is None else gather, qt.view(torch.uint8), st),
-                (R, C, G, rows_per_group, *x.stride(), *t_strides, *st.stride()),
+                ("cols", x.device, R, C, G, has_sizes, qt.dim(), fp8_max, gather is not None, fused),
+                (
+                    x,
+                    sizes,
+                    sizes if gather is None else gather,
+                    colsum if fused else st,
+                    qt.view(torch.uint8),
+                    st,
+                ),
+                (
+                    R,
+                    C,
+                    G,
+                    rows_per_group,
+                    *x.stride(),
+                    *t_strides,
+                    *st.stride(),
+                    *(colsum.stride() if fused else (0, 0)),
+                ),
                 lambda: _cols_grid(
                     R,
                     C,
@@ -498,6 +528,7 @@ def launch_quantize_fp8(
                     FP8_MAX=fp8_max,
                     EMULATE_CAST=INTERPRET,
                     GATHER=gather is not None,
+                    COLSUM=fused,
                 ),
             )
         return

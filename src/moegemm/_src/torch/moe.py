@@ -412,7 +412,7 @@ def _fp8_forward(x, topk_ids, topk_weights, w13_q, w2_q, recipe, backend):
     T, d = x.shape
     E, two_n, _ = w13_q[0].shape
     r = routing(topk_ids, topk_weights, E)
-    x_s, sx_s, _, _ = _ops.quantize(x, None, recipe, E4M3, False, 1, backend)  # token-order storage
+    x_s, sx_s, _, _, _ = _ops.quantize(x, None, recipe, E4M3, False, 1, backend)  # token-order storage
     x_q, sx = x_s[:, :d], (sx_s.T if recipe == "blockwise" else sx_s)
     z, h = _fp8_gemm(
         x_q, sx, w13_q[0], w13_q[1], r.group_sizes, recipe, True, backend, r.gather, "swiglu", x.dtype
@@ -422,7 +422,7 @@ def _fp8_forward(x, topk_ids, topk_weights, w13_q, w2_q, recipe, backend):
     else:
         kept = (x.new_empty(0, dtype=E4M3), x.new_empty(0, dtype=torch.float32))
     del x_s, sx_s, x_q, sx
-    h_q, sh, _, _ = _ops.quantize_activation_views(h, r.group_sizes, recipe, E4M3, False, backend)
+    h_q, sh, _, _, _ = _ops.quantize_activation_views(h, r.group_sizes, recipe, E4M3, False, backend)
     del h
     y = _ops.m_grouped_fp8(h_q, sh, w2_q[0], w2_q[1], r.group_sizes, None, recipe, x.dtype, True, backend)
     del h_q, sh
@@ -443,7 +443,7 @@ def _fp8_backward(dout, x, x_q, sx, topk_weights, z, gather, pos, group_sizes, r
     _, n, _ = w2_t.shape
     R = gather.shape[0]
     dout = dout.contiguous()
-    d_q, sd, _, _ = _ops.quantize_activation_views(dout, None, recipe, E4M3, False, backend)
+    d_q, sd, _, _, _ = _ops.quantize_activation_views(dout, None, recipe, E4M3, False, backend)
     dz, hs, ds, (dz_amax, hs_amax) = _fp8_gemm(
         d_q,
         sd,
@@ -467,13 +467,13 @@ def _fp8_backward(dout, x, x_q, sx, topk_weights, z, gather, pos, group_sizes, r
     # Tensorwise has no transposed-copy-only quantize (its copy shares the data's group scale): it writes both.
     data = recipe == "tensorwise"
     # Tensorwise scales dz and s * h by their amax, which the SwiGLU backward found as it wrote them.
-    _, _, hs_t, shs_t = _ops.quantize_activation_views(
+    _, _, hs_t, shs_t, _ = _ops.quantize_activation_views(
         hs, group_sizes, recipe, E4M3, True, backend, data, hs_amax
     )
     del hs
     dw2 = _ops.k_grouped_fp8(dout_t, sdout_t, hs_t, shs_t, group_sizes, R, recipe, False, backend, w_dtype)
     del dout_t, sdout_t, hs_t, shs_t
-    dz_q, sdz, dz_t, sdz_t = _ops.quantize_activation_views(
+    dz_q, sdz, dz_t, sdz_t, _ = _ops.quantize_activation_views(
         dz, group_sizes, recipe, E4M3, True, backend, amax=dz_amax
     )
     del dz

@@ -172,9 +172,25 @@ def storage_shapes(shape, recipe: str, G: int, transpose: bool, data: bool = Tru
     return [(M, fp8.padded(K)), s_shape, data_t, scale_t]
 
 
-def _quantize_forward(x, group_sizes, recipe, dtype, transpose, G, backend, data=True, amax=None):
+def _quantize_forward(
+    x, group_sizes, recipe, dtype, transpose, G, backend, data=True, amax=None, colsum_dtype=None
+):
+    """The four storage tensors and, with ``colsum_dtype`` (activations), x's [G, K] column sums per group in that
+    dtype (the bias gradient when x is dy), else an empty placeholder."""
     shapes = storage_shapes(tuple(x.shape), recipe, G, transpose, data)
     weight = x.dim() == 3
+    if colsum_dtype is not None and weight:
+        raise ValueError("colsum_dtype: the column sums of activations [M, K], not of a weight")
+    # The column sums come from rowwise's transposed-copy sweep (docs/design.md, 'FP8 bias gradient'), else
+    # from a launch of their own.
+    fused = colsum_dtype is not None and recipe == "rowwise" and transpose and backend != "reference"
+    if colsum_dtype is None:
+        colsum = x.new_empty(0, dtype=torch.float32)
+    elif fused:
+        colsum = empty((G, x.shape[-1]), dtype=colsum_dtype, device=x.device)
+    else:
+        sizes = x.new_tensor([x.shape[0]], dtype=torch.int32) if group_sizes is None else group_sizes
+        colsum = grouped_column_sums(x, sizes, colsum_dtype, backend)
     if backend == "reference":
         if weight:
             data, scale, data_t, scale_t = _ref.quantize_weight(x, recipe, dtype, transpose)
@@ -191,7 +207,7 @@ def _quantize_forward(x, group_sizes, recipe, dtype, transpose, G, backend, data
             out[2][..., : data_t.shape[-1]].copy_(data_t)
             if out[3].numel():
                 out[3].copy_(scale_t)
-        return tuple(out)
+        return (*out, colsum)
     data_s = empty(shapes[0], dtype=dtype, device=x.device)
     scale_s = empty(shapes[1], dtype=torch.float32, device=x.device)
     data_t_s = empty(shapes[2], dtype=dtype, device=x.device)
@@ -212,9 +228,10 @@ def _quantize_forward(x, group_sizes, recipe, dtype, transpose, G, backend, data
         qt = data_t_s if transpose else None
         st = scale_s if recipe == "tensorwise" else scale_t_s
         launch_quantize_fp8(
-            x, group_sizes, recipe, q, s, qt, st if transpose else None, rows_per_group=M, G=G, amax=amax
-        )
-    return data_s, scale_s, data_t_s, scale_t_s
+            x, group_sizes, recipe, q, s, qt, st if transpose else None, rows_per_group=M, G=G, amax=amax,
+            colsum=colsum if fused else None,
+        )  # fmt: skip
+    return data_s, scale_s, data_t_s, scale_t_s, colsum
 
 
 # ---------------------------------------------------------------- custom ops (what tracing records)
@@ -368,14 +385,20 @@ def quantize_fp8_op(
     G: int,
     backend: str,
     data: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _quantize_forward(x, group_sizes, recipe, dtype, transpose, G, backend, data)
+    colsum_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _quantize_forward(x, group_sizes, recipe, dtype, transpose, G, backend, data, None, colsum_dtype)
 
 
 @quantize_fp8_op.register_fake
-def _(x, group_sizes, recipe, dtype, transpose, G, backend, data=True):
+def _(x, group_sizes, recipe, dtype, transpose, G, backend, data=True, colsum_dtype=None):
     shapes = storage_shapes(tuple(x.shape), recipe, G, transpose, data)
-    return tuple(x.new_empty(s, dtype=t) for s, t in zip(shapes, (dtype, torch.float32) * 2))
+    colsum = (
+        x.new_empty(0, dtype=torch.float32)
+        if colsum_dtype is None
+        else x.new_empty(G, x.shape[-1], dtype=colsum_dtype)
+    )
+    return (*(x.new_empty(s, dtype=t) for s, t in zip(shapes, (dtype, torch.float32) * 2)), colsum)
 
 
 # ---------------------------------------------------------------- backward definitions
@@ -557,11 +580,23 @@ def k_grouped_fp8_out(a_t, sa, b_t, sb, group_sizes, M, out, accumulate, recipe,
         )
 
 
-def quantize(x, group_sizes, recipe: str, dtype, transpose: bool, G: int, backend: str, data: bool = True):
-    """The four storage tensors (see the module docstring)."""
+def quantize(
+    x,
+    group_sizes,
+    recipe: str,
+    dtype,
+    transpose: bool,
+    G: int,
+    backend: str,
+    data: bool = True,
+    colsum_dtype=None,
+):
+    """The four storage tensors (see the module docstring) and the column sums (``_quantize_forward``)."""
     if _eager(x, group_sizes):
-        return _quantize_forward(x, group_sizes, recipe, dtype, transpose, G, backend, data)
-    return quantize_fp8_op(x, group_sizes, recipe, dtype, transpose, G, backend, data)
+        return _quantize_forward(
+            x, group_sizes, recipe, dtype, transpose, G, backend, data, None, colsum_dtype
+        )
+    return quantize_fp8_op(x, group_sizes, recipe, dtype, transpose, G, backend, data, colsum_dtype)
 
 
 def quantize_weight_views(weight: torch.Tensor, recipe: str, backend: str):
@@ -569,7 +604,7 @@ def quantize_weight_views(weight: torch.Tensor, recipe: str, backend: str):
     storage (``moegemm._src.fp8``): data [G, N, K], data_t [G, K, N], scale_t the scale data_t's GEMM reads."""
     with torch.no_grad():
         G, N, K = weight.shape
-        data_s, scale_s, data_t_s, scale_t_s = quantize(
+        data_s, scale_s, data_t_s, scale_t_s, _ = quantize(
             weight.detach(), None, recipe, torch.float8_e4m3fn, True, G, backend
         )
     scale_t = (
@@ -621,27 +656,38 @@ def gathered_t_bytes(x_q, gather, group_sizes, backend: str):
 
 
 def quantize_activation_views(
-    t, group_sizes, recipe: str, dtype, transpose: bool, backend: str, data: bool = True, amax=None
+    t,
+    group_sizes,
+    recipe: str,
+    dtype,
+    transpose: bool,
+    backend: str,
+    data: bool = True,
+    amax=None,
+    colsum_dtype=None,
 ):
-    """(data, scale, data_t, scale_t) of activations t [M, K] in row groups (group_sizes None: one group), as the
-    GEMMs read them: data [M, K], scale [G] / [M] / [M, cdiv(K, 128)], data_t [K, M_t] and its scale_t.
+    """(data, scale, data_t, scale_t, colsum) of activations t [M, K] in row groups (group_sizes None: one group),
+    as the GEMMs read them: data [M, K], scale [G] / [M] / [M, cdiv(K, 128)], data_t [K, M_t] and its scale_t.
     data=False (rowwise, blockwise): the transposed copy alone, data and scale None. ``amax`` (tensorwise, eager
-    calls): a [1] fp32 tensor every group's scale comes from, given, so no pass reads t to find it."""
+    calls): a [1] fp32 tensor every group's scale comes from, given, so no pass reads t to find it.
+    ``colsum_dtype``: colsum [G, K] = for g: sum(t[rows(g)], 0) in it (dy's bias gradient, from the quantize's
+    own read of t where it has one: docs/design.md, 'FP8 bias gradient'), else None."""
     G = 1 if group_sizes is None else group_sizes.shape[0]
     if amax is not None:
         amax = amax.float().reshape(1).expand(G).contiguous()
-        data_s, scale_s, data_t_s, scale_t_s = _quantize_forward(
-            t, group_sizes, recipe, dtype, transpose, G, backend, data, amax
+        data_s, scale_s, data_t_s, scale_t_s, colsum = _quantize_forward(
+            t, group_sizes, recipe, dtype, transpose, G, backend, data, amax, colsum_dtype
         )
     else:
-        data_s, scale_s, data_t_s, scale_t_s = quantize(
-            t, group_sizes, recipe, dtype, transpose, G, backend, data
+        data_s, scale_s, data_t_s, scale_t_s, colsum = quantize(
+            t, group_sizes, recipe, dtype, transpose, G, backend, data, colsum_dtype
         )
+    colsum = None if colsum_dtype is None else colsum
     scale_t = scale_s if recipe == "tensorwise" else scale_t_s
     if not data:
-        return None, None, data_t_s, scale_t
+        return None, None, data_t_s, scale_t, colsum
     scale = scale_s.T if recipe == "blockwise" else scale_s
-    return data_s[:, : t.shape[1]], scale, data_t_s, scale_t
+    return data_s[:, : t.shape[1]], scale, data_t_s, scale_t, colsum
 
 
 def grouped_column_sums(t, group_sizes, out_dtype, backend: str) -> torch.Tensor:
