@@ -354,13 +354,15 @@ def test_quantize_transposed_only_matches_full(recipe, backend):
         (64, 16, [0, 0]),  # every group empty: 0
         (45, 130, None),  # one group over all rows
         (0, 48, [0, 0, 0]),  # T = 0
+        (600, 40, [520, 0, 60]),  # a group over several of the amax pass's row tiles
     ],
-    ids=["skew-empty-tail", "one-hot", "all-empty", "ungrouped", "no-rows"],
+    ids=["skew-empty-tail", "one-hot", "all-empty", "ungrouped", "no-rows", "tall-group"],
 )
 def test_quantize_column_sums(M, K, sizes, recipe, transpose, backend, monkeypatch):
     """colsum[g] = sum(x[rows(g)], 0) against fp64 (the FP8 bias gradient), written over a poisoned buffer, in
-    fp32 and bf16, with the quantize's outputs unchanged; rowwise's transposed copy takes it from its own read
-    of x, the other paths from a launch of their own (docs/design.md, 'FP8 bias gradient')."""
+    fp32 and bf16, with the quantize's outputs unchanged; tensorwise's amax pass and rowwise's transposed copy
+    take it from their own read of x, the other paths from a launch of their own (docs/design.md, 'FP8 bias
+    gradient')."""
     from moegemm._src.torch import ops as _ops
 
     x = (outliers(M, K, seed=11) if M else torch.zeros(0, K)).to(DEVICE)
@@ -386,7 +388,7 @@ def test_quantize_column_sums(M, K, sizes, recipe, transpose, backend, monkeypat
         for name, a, b in zip(("data", "scale", "data_t", "scale_t"), got, plain):
             same = a is None or torch.equal(as_bytes(a.reshape(-1)), as_bytes(b.reshape(-1)))
             assert (a is None) == (b is None) and same, name
-        fused = backend == "triton" and recipe == "rowwise" and transpose
+        fused = backend == "triton" and (recipe == "tensorwise" or (recipe == "rowwise" and transpose))
         assert len(launches) == (0 if fused else 1), f"{recipe}: {len(launches)} column-sum launches"
 
 

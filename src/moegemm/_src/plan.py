@@ -764,6 +764,13 @@ def quantize_pair(
     return target.name == "sm90" and caps.gluon and ptxas in PAIR_QUANTIZE_PTXAS
 
 
+def colsum_fused(recipe: str, transpose: bool, amax_given: bool) -> bool:
+    """Whether a quantize of activations takes their per-group column sums (dy's bias gradient) from its own read
+    of x: tensorwise's amax pass (unless the amax is given) and rowwise's transposed-copy sweep; else a launch of
+    their own (docs/design.md, 'FP8 bias gradient')."""
+    return (recipe == "rowwise" and transpose) or (recipe == "tensorwise" and not amax_given)
+
+
 # ---------------------------------------------------------------- per-call gate
 
 

@@ -60,7 +60,7 @@ def tile_shape(scaling: int, write_q: bool, config) -> tuple[int, int]:
 
 
 def tiles_geometry(
-    R: int, C: int, G: int, scaling: int, write_q: bool, config, sms: int
+    R: int, C: int, G: int, scaling: int, write_q: bool, config, sms: int, row_steps: int = 1
 ) -> tuple[int, int, int, int, tuple[int, int]]:
     """(BLOCK_R, BLOCK_C, CHUNKS, num_warps, grid) of a fp8_quantize_tiles_kernel (or, with write_q and TENSOR,
     fp8_group_amax_kernel) launch over x [R, C] in G groups, for a ``configs.QuantizeConfig``.
@@ -70,14 +70,15 @@ def tiles_geometry(
     tile and CHUNKS column tiles of it: the config's q_chunks (t_chunks), halved while that leaves
     under 16 programs per SM (``sms``) so small problems still fill the GPU (a program's tiles run one
     after another). The grid holds every row tile any group sizes can produce (each group adds at
-    most one partial tile, plus the tail slot's); the programs past the last one exit.
+    most one partial tile, plus the tail slot's); the programs past the last one exit. ``row_steps``
+    (fp8_group_amax_kernel's ROW_STEPS): a row tile is that many data tiles tall.
     """
     block_r, block_c = tile_shape(scaling, write_q, config)
     if write_q or scaling == BLOCK_128X128:
         chunks, warps = config.q_chunks, config.num_warps
     else:
         chunks, warps = config.t_chunks, config.t_warps
-    row_tiles, col_tiles = triton.cdiv(R, block_r) + G + 1, triton.cdiv(C, block_c)
+    row_tiles, col_tiles = triton.cdiv(R, block_r * row_steps) + G + 1, triton.cdiv(C, block_c)
     while chunks > 1 and row_tiles * triton.cdiv(col_tiles, chunks) < 16 * sms:
         chunks //= 2
     return block_r, block_c, chunks, warps, (row_tiles, triton.cdiv(col_tiles, chunks))
@@ -160,6 +161,7 @@ def _bounds(group_sizes_ptr, G, R, rows_per_group, BLOCK_G: tl.constexpr, HAS_SI
 def fp8_group_amax_kernel(
     x_ptr,
     group_sizes_ptr,
+    partial_ptr,  # COLSUM: fp32 [row tiles, C]; partial[t] = sum(x[rows of row tile t], 0)
     amax_ptr,  # [G] float32, zero-initialized; amax_ptr[g] = max |x[rows(g)]|
     R,
     C,
@@ -167,6 +169,7 @@ def fp8_group_amax_kernel(
     rows_per_group,
     stride_xr,
     stride_xc,
+    stride_pr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     CHUNKS: tl.constexpr,
@@ -174,30 +177,96 @@ def fp8_group_amax_kernel(
     HAS_SIZES: tl.constexpr,
     # cp.async stages where C and strides are 16-divisible (docs/design.md, 'Quantize')
     NUM_STAGES: tl.constexpr,
+    # The column sums of each group-aligned row tile, which ``grouped_column_sums_kernel`` adds up per group: dy's
+    # bias gradient from the read its amax takes anyway (docs/design.md, 'FP8 bias gradient'). A row tile is then
+    # ROW_STEPS blocks of BLOCK_R rows, summed elementwise, so the sum crosses warps once a tile and column block.
+    COLSUM: tl.constexpr = False,
+    ROW_STEPS: tl.constexpr = 1,
 ):
     # Program (row tile, column segment), as fp8_quantize_tiles_kernel; one atomic per program.
+    TILE_R: tl.constexpr = BLOCK_R * ROW_STEPS
     row_tile = tl.program_id(0)
     offs, starts, ends = _bounds(group_sizes_ptr, G, R, rows_per_group, BLOCK_G, HAS_SIZES)
-    starts, ends, m_tiles, tile_ends, total = row_tile_space(offs, starts, ends, G, R, 1, BLOCK_R)
+    starts, ends, m_tiles, tile_ends, total = row_tile_space(offs, starts, ends, G, R, 1, TILE_R)
     g, _, _, row0, row_end, _ = locate_row_tile(
-        row_tile, offs, starts, ends, m_tiles, tile_ends, 1, BLOCK_R, 1
+        row_tile, offs, starts, ends, m_tiles, tile_ends, 1, TILE_R, 1
     )
     if row_tile < total and g < G:  # the tail slot's rows belong to no group
         offs_r = tl.arange(0, BLOCK_R)
         offs_c = tl.arange(0, BLOCK_C)
-        row_mask = offs_r < row_end - row0
         amax = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
         first = tl.program_id(1) * CHUNKS
-        for c in tl.range(0, tl.minimum(CHUNKS, tl.cdiv(C, BLOCK_C) - first), num_stages=NUM_STAGES):
-            col0 = (first + c) * BLOCK_C
-            mask = row_mask[:, None] & (offs_c < C - col0)[None, :]
-            base = x_ptr + row0 * stride_xr + col0.to(tl.int64) * stride_xc
-            x = tl.load(
-                base + offs_r[:, None] * stride_xr + offs_c[None, :] * stride_xc, mask=mask, other=0.0
-            )
-            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        if COLSUM:
+            # A plain loop: this nest under tl.range's cp.async pipelining asked the H100 for 264 KB of shared
+            # memory on some shapes (2026-11-28).
+            for c in range(0, tl.minimum(CHUNKS, tl.cdiv(C, BLOCK_C) - first)):
+                col0 = (first + c) * BLOCK_C
+                col_mask = offs_c < C - col0
+                base = x_ptr + row0 * stride_xr + col0.to(tl.int64) * stride_xc
+                colsum = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+                for r in tl.static_range(ROW_STEPS):  # masked past row_end: a short tile's loads read nothing
+                    mask = (offs_r < row_end - row0 - r * BLOCK_R)[:, None] & col_mask[None, :]
+                    x = tl.load(
+                        base + (r * BLOCK_R + offs_r)[:, None] * stride_xr + offs_c[None, :] * stride_xc,
+                        mask=mask,
+                        other=0.0,
+                    ).to(tl.float32)
+                    amax = tl.maximum(amax, tl.abs(x))
+                    colsum += x
+                p_ptrs = partial_ptr + row_tile.to(tl.int64) * stride_pr + col0 + offs_c
+                tl.store(p_ptrs, tl.sum(colsum, 0), mask=col_mask)
+        else:
+            row_mask = offs_r < row_end - row0
+            for c in tl.range(0, tl.minimum(CHUNKS, tl.cdiv(C, BLOCK_C) - first), num_stages=NUM_STAGES):
+                col0 = (first + c) * BLOCK_C
+                mask = row_mask[:, None] & (offs_c < C - col0)[None, :]
+                base = x_ptr + row0 * stride_xr + col0.to(tl.int64) * stride_xc
+                x = tl.load(
+                    base + offs_r[:, None] * stride_xr + offs_c[None, :] * stride_xc, mask=mask, other=0.0
+                )
+                amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
         # max is exact and order-free: the atomics leave a deterministic result.
         tl.atomic_max(amax_ptr + g, tl.max(tl.max(amax, 1), 0))
+
+
+@triton.jit
+def grouped_column_sums_kernel(
+    partial_ptr,  # fp32 [row tiles, C] from fp8_group_amax_kernel (COLSUM) with the same TILE_R
+    group_sizes_ptr,
+    out_ptr,  # [G, C]
+    R,
+    C,
+    G,
+    rows_per_group,
+    stride_pr,
+    stride_og,
+    stride_oc,
+    TILE_R: tl.constexpr,  # the partials' row tile
+    BLOCK_C: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HAS_SIZES: tl.constexpr,
+):
+    """out[g] = sum(x[rows(g)], 0) from the partial sums of g's row tiles, added in tile order (deterministic);
+    an empty group gets 0. A program per (group, column block)."""
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(C, BLOCK_C)
+    g = pid // n_blocks
+    col0 = (pid % n_blocks) * BLOCK_C
+    offs, starts, ends = _bounds(group_sizes_ptr, G, R, rows_per_group, BLOCK_G, HAS_SIZES)
+    starts, ends, m_tiles, tile_ends, _ = row_tile_space(offs, starts, ends, G, R, 1, TILE_R)
+    n = pick(m_tiles, offs, g)
+    offs_c = tl.arange(0, BLOCK_C)
+    col_mask = offs_c < C - col0
+    p_ptrs = partial_ptr + (pick(tile_ends, offs, g) - n).to(tl.int64) * stride_pr + col0 + offs_c
+    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for _ in range(0, n):
+        acc += tl.load(p_ptrs, mask=col_mask, other=0.0)
+        p_ptrs += stride_pr
+    tl.store(
+        out_ptr + g.to(tl.int64) * stride_og + (col0 + offs_c) * stride_oc,
+        acc.to(out_ptr.dtype.element_ty),
+        mask=col_mask,
+    )
 
 
 @triton.jit

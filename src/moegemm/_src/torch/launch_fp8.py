@@ -37,6 +37,7 @@ M_GROUPED_FP8_WS = DirectLaunch(ws.m_grouped_mm_fp8_ws_kernel)
 K_GROUPED_FP8 = DirectLaunch(k_grouped_mm_fp8_kernel)
 K_GROUPED_FP8_WS = DirectLaunch(k_ws.k_grouped_mm_fp8_ws_kernel, descriptors=True)
 GROUP_AMAX = DirectLaunch(qk.fp8_group_amax_kernel)
+COLUMN_SUMS = DirectLaunch(qk.grouped_column_sums_kernel)
 QUANTIZE_TILES = DirectLaunch(qk.fp8_quantize_tiles_kernel)
 QUANTIZE_PAIR = DirectLaunch(qk.fp8_quantize_pair_kernel)
 QUANTIZE_ROWS = DirectLaunch(qk.fp8_quantize_rows_kernel)
@@ -49,6 +50,7 @@ LAUNCHES = (
     K_GROUPED_FP8,
     K_GROUPED_FP8_WS,
     GROUP_AMAX,
+    COLUMN_SUMS,
     QUANTIZE_TILES,
     QUANTIZE_PAIR,
     QUANTIZE_ROWS,
@@ -423,8 +425,9 @@ def launch_quantize_fp8(
     is x[gather[r]] (the expert block's wgrad operands, docs/design.md, 'FP8 expert block'); tensorwise then takes
     its scales from ``amax`` [G], given (the launch computes no amax of gathered rows). ``move_bytes``
     (tensorwise, transposed copy alone): x is FP8 of qt's dtype at the copy's scale, and qt takes its bytes.
-    ``colsum`` [G, C] (rowwise with qt, ungathered): also colsum[g] = sum(x[rows(g)], 0), the bias gradient when x
-    is dy, from the transposed copy's amax sweep (docs/design.md, 'FP8 bias gradient')."""
+    ``colsum`` [G, C] (rowwise with qt, or tensorwise without a given amax; ungathered): also colsum[g] =
+    sum(x[rows(g)], 0), the bias gradient when x is dy, from the read of x its amax takes (docs/design.md, 'FP8 bias
+    gradient')."""
     R, C = x.shape if gather is None else (gather.shape[0], x.shape[1])
     if gather is not None and (q is not None or (recipe == "tensorwise" and amax is None and not move_bytes)):
         raise ValueError(
@@ -436,11 +439,15 @@ def launch_quantize_fp8(
             f"x {x.dtype}, data_t {None if qt is None else qt.dtype}, data {'given' if q is not None else None}"
         )
     if colsum is not None and (
-        recipe != "rowwise" or qt is None or gather is not None or colsum.shape != (G, C)
+        not plan.colsum_fused(recipe, qt is not None, amax is not None)
+        or gather is not None
+        or move_bytes
+        or colsum.shape != (G, C)
     ):
         raise ValueError(
-            f"colsum: the [G, C] = {(G, C)} column sums of a rowwise transposed copy of ungathered rows, got "
-            f"{tuple(colsum.shape)} ({recipe}, transposed copy {'given' if qt is not None else None}, gather "
+            f"colsum: the [G, C] = {(G, C)} column sums of ungathered rows, from rowwise's transposed copy or "
+            f"tensorwise's amax pass; got {tuple(colsum.shape)} ({recipe}, transposed copy "
+            f"{'given' if qt is not None else None}, amax {'given' if amax is not None else None}, gather "
             f"{'given' if gather is not None else None})"
         )
     if C == 0 or G == 0:
@@ -543,12 +550,7 @@ def launch_quantize_fp8(
     else:
         scaling = qk.TENSOR
         amax = torch.zeros(G, dtype=torch.float32, device=x.device)
-        GROUP_AMAX.launch(
-            ("amax", x.device, R, C, G, has_sizes),
-            (x, sizes, amax),
-            (R, C, G, rows_per_group, *x.stride()),
-            lambda: _tiles_grid(R, C, G, scaling, True, bg, has_sizes, config, sms),
-        )
+        _group_amax(x, sizes, has_sizes, amax, colsum, rows_per_group, G, bg, config, sms)
     write_t = qt is not None
     t_local = write_t and qt.dim() == 3
     if write_t:
@@ -628,6 +630,56 @@ def launch_quantize_fp8(
                 BYTES=move_bytes,
             ),
         )
+
+
+# Data tiles a row tile of the amax pass takes when it also sums columns (fp8_group_amax_kernel's ROW_STEPS).
+AMAX_COLSUM_ROW_STEPS = 8
+COLUMN_SUMS_BLOCK = 256  # columns a grouped_column_sums_kernel program adds
+
+
+def _group_amax(x, sizes, has_sizes, amax, colsum, rows_per_group, G, block_g, config, sms) -> None:
+    """amax [G] (zeroed) = max |x[rows(g)]| and, with colsum [G, C], x's per-group column sums from the same read:
+    fp8_group_amax_kernel's row-tile partials, which grouped_column_sums_kernel adds up in tile order."""
+    R, C = x.shape
+    steps = 1 if colsum is None else AMAX_COLSUM_ROW_STEPS
+    block_r, block_c, chunks, warps, grid = qk.tiles_geometry(R, C, G, qk.TENSOR, True, config, sms, steps)
+    partial = x if colsum is None else torch.empty(grid[0], C, dtype=torch.float32, device=x.device)
+    GROUP_AMAX.launch(
+        ("amax", x.device, R, C, G, has_sizes, steps, colsum is not None),
+        (x, sizes, partial, amax),
+        (R, C, G, rows_per_group, *x.stride(), partial.stride(0)),
+        lambda: _Grid(
+            grid,
+            dict(
+                BLOCK_R=block_r,
+                BLOCK_C=block_c,
+                CHUNKS=chunks,
+                BLOCK_G=block_g,
+                HAS_SIZES=has_sizes,
+                NUM_STAGES=config.num_stages,
+                COLSUM=colsum is not None,
+                ROW_STEPS=steps,
+                num_warps=warps,
+            ),
+        ),
+    )
+    if colsum is None:
+        return
+    COLUMN_SUMS.launch(
+        ("colsum", x.device, R, C, G, has_sizes, steps, colsum.dtype),
+        (partial, sizes, colsum),
+        (R, C, G, rows_per_group, partial.stride(0), *colsum.stride()),
+        lambda: _Grid(
+            (G * triton.cdiv(C, COLUMN_SUMS_BLOCK),),
+            dict(
+                TILE_R=block_r * steps,
+                BLOCK_C=COLUMN_SUMS_BLOCK,
+                BLOCK_G=block_g,
+                HAS_SIZES=has_sizes,
+                num_warps=4,
+            ),
+        ),
+    )
 
 
 def _pair_grid(R, C, G, block_g, has_sizes, config, sms, scaling, t_local, fp8_max, wide) -> _Grid:

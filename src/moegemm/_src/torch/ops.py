@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from moegemm._src import fp8
+from moegemm._src import fp8, plan
 from moegemm._src.torch import reference as _ref
 from moegemm._src.torch.launch import launch_k_grouped, launch_m_grouped
 from moegemm._src.torch.launch_fp8 import launch_k_grouped_fp8, launch_m_grouped_fp8, launch_quantize_fp8
@@ -181,9 +181,14 @@ def _quantize_forward(
     weight = x.dim() == 3
     if colsum_dtype is not None and weight:
         raise ValueError("colsum_dtype: the column sums of activations [M, K], not of a weight")
-    # The column sums come from rowwise's transposed-copy sweep (docs/design.md, 'FP8 bias gradient'), else
-    # from a launch of their own.
-    fused = colsum_dtype is not None and recipe == "rowwise" and transpose and backend != "reference"
+    # The column sums come from the quantize's own read of x where it has one (docs/design.md, 'FP8 bias
+    # gradient'), else from a launch of their own.
+    fused = (
+        colsum_dtype is not None
+        and backend != "reference"
+        and not weight
+        and plan.colsum_fused(recipe, transpose, amax is not None)
+    )
     if colsum_dtype is None:
         colsum = x.new_empty(0, dtype=torch.float32)
     elif fused:
