@@ -642,25 +642,28 @@ def _group_amax(x, sizes, has_sizes, amax, colsum, rows_per_group, G, block_g, c
     fp8_group_amax_kernel's row-tile partials, which grouped_column_sums_kernel adds up in tile order."""
     R, C = x.shape
     steps = 1 if colsum is None else AMAX_COLSUM_ROW_STEPS
-    block_r, block_c, chunks, warps, grid = qk.tiles_geometry(R, C, G, qk.TENSOR, True, config, sms, steps)
-    partial = x if colsum is None else torch.empty(grid[0], C, dtype=torch.float32, device=x.device)
+    if colsum is None:
+        partial = x  # an unread pointer
+    else:
+        row_tiles = qk.tiles_geometry(R, C, G, qk.TENSOR, True, config, sms, steps)[4][0]
+        partial = torch.empty(row_tiles, C, dtype=torch.float32, device=x.device)
     GROUP_AMAX.launch(
         ("amax", x.device, R, C, G, has_sizes, steps, colsum is not None),
         (x, sizes, partial, amax),
         (R, C, G, rows_per_group, *x.stride(), partial.stride(0)),
-        lambda: _Grid(
-            grid,
-            dict(
-                BLOCK_R=block_r,
-                BLOCK_C=block_c,
-                CHUNKS=chunks,
-                BLOCK_G=block_g,
-                HAS_SIZES=has_sizes,
-                NUM_STAGES=config.num_stages,
-                COLSUM=colsum is not None,
-                ROW_STEPS=steps,
-                num_warps=warps,
-            ),
+        lambda: _tiles_grid(
+            R,
+            C,
+            G,
+            qk.TENSOR,
+            True,
+            block_g,
+            has_sizes,
+            config,
+            sms,
+            steps,
+            COLSUM=colsum is not None,
+            ROW_STEPS=steps,
         ),
     )
     if colsum is None:
@@ -672,7 +675,7 @@ def _group_amax(x, sizes, has_sizes, amax, colsum, rows_per_group, G, block_g, c
         lambda: _Grid(
             (G * triton.cdiv(C, COLUMN_SUMS_BLOCK),),
             dict(
-                TILE_R=block_r * steps,
+                TILE_R=qk.tile_shape(qk.TENSOR, True, config)[0] * steps,
                 BLOCK_C=COLUMN_SUMS_BLOCK,
                 BLOCK_G=block_g,
                 HAS_SIZES=has_sizes,
@@ -707,10 +710,12 @@ def _cols_grid(R, C, G, config, **meta) -> _Grid:
     return _Grid(grid, dict(BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps, **meta))
 
 
-def _tiles_grid(R, C, G, scaling, write_q, block_g, has_sizes, config, sms, **meta) -> _Grid:
+def _tiles_grid(R, C, G, scaling, write_q, block_g, has_sizes, config, sms, row_steps=1, **meta) -> _Grid:
     """The launch description of the amax or a tile kernel: ``qk.tiles_geometry`` and the shared
-    meta-parameters, plus the tile kernel's own (``meta``). Built on a miss only (DirectLaunch)."""
-    block_r, block_c, chunks, warps, grid = qk.tiles_geometry(R, C, G, scaling, write_q, config, sms)
+    meta-parameters, plus the kernel's own (``meta``). Built on a miss only (DirectLaunch)."""
+    block_r, block_c, chunks, warps, grid = qk.tiles_geometry(
+        R, C, G, scaling, write_q, config, sms, row_steps
+    )
     return _Grid(
         grid,
         dict(
