@@ -130,7 +130,8 @@ def _quantize_activation(
 ):
     """(data, scale, data_t, scale_t, colsum) of activations t; data=False (rowwise, blockwise): the
     transposed copy alone, data and scale None. colsum: t's per-group column sums in ``colsum_dtype`` (dy's
-    bias gradient, from the quantize's read of dy), else None."""
+    bias gradient, from the quantize's own read of dy where it has one; not differentiable, as FP8 dW is not),
+    else None."""
     return _ops.quantize_activation_views(
         t, group_sizes, settings.recipe, dtype, transpose, backend, data, colsum_dtype=colsum_dtype
     )

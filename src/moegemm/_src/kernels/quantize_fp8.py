@@ -14,7 +14,9 @@ Kernels (each reads x once, except where a scale needs the whole row or group be
   (a second launch, 128 x t_cols tiles: one kernel storing both miscompiles, see the kernel), or the
   128x128 block scale (weights). ``tiles_geometry`` gives each launch's tiles and grid.
   Also the cast pass of tensorwise, whose per-group amax ``fp8_group_amax_kernel`` computed first:
-  current scaling needs the amax of the whole group before the first element is cast.
+  current scaling needs the amax of the whole group before the first element is cast. That pass can also
+  (COLSUM) write its row tiles' column sums, which ``grouped_column_sums_kernel`` adds up per group: dy's bias
+  gradient (docs/design.md, 'FP8 bias gradient').
 - ``fp8_quantize_rows_kernel``: rowwise, one scale per row, in two sweeps over each row (amax,
   then cast); the second sweep reads the rows its program just read, from L2.
 - ``fp8_quantize_cols_kernel``: rowwise transposed copy, one scale per (group, column), the same
@@ -206,8 +208,9 @@ def fp8_group_amax_kernel(
                 colsum = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
                 for r in tl.static_range(ROW_STEPS):  # masked past row_end: a short tile's loads read nothing
                     mask = (offs_r < row_end - row0 - r * BLOCK_R)[:, None] & col_mask[None, :]
+                    rows = (r * BLOCK_R + offs_r).to(tl.int64)  # up to 255 rows' stride: past int32
                     x = tl.load(
-                        base + (r * BLOCK_R + offs_r)[:, None] * stride_xr + offs_c[None, :] * stride_xc,
+                        base + rows[:, None] * stride_xr + offs_c[None, :] * stride_xc,
                         mask=mask,
                         other=0.0,
                     ).to(tl.float32)

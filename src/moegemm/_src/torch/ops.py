@@ -9,8 +9,8 @@ Ops (torch.library, with fake impls; inputs are validated by ``moegemm.torch.api
                                 recipe, fast_accum) -> (out, colsum)                      grads: a, b
     moegemm::k_grouped_mm_out  (a, b, group_sizes, out, accumulate, colsum_dtype?, backend, a_scale?,
                                 b_scale?, M, recipe, fast_accum) -> colsum                writes out
-    moegemm::quantize_fp8      (x, group_sizes?, recipe, dtype, transpose, G, backend, data=True)
-                                -> (data, scale, data_t, scale_t)                         storage, see below
+    moegemm::quantize_fp8      (x, group_sizes?, recipe, dtype, transpose, G, backend, data=True,
+                                colsum_dtype?) -> (data, scale, data_t, scale_t, colsum)  storage, see below
 
 m-grouped: ``out[rows(g)] = x[rows(g)] @ w[g] (+ bias[g])``, w [G, K, N]. k-grouped: ``out[g] (+)= a_g^T b_g``
 and, when colsum_dtype is given, ``colsum[g] = sum(a_g, 0)`` [G, K] from the same launch (with a = dy,
@@ -30,6 +30,9 @@ return aliases): data with rows padded to 16 bytes, a blockwise activation scale
 blockwise weight). ``data=False`` (rowwise and blockwise activations, with ``transpose``) writes only the
 transposed copy and its scales, data and scale coming back empty: GroupedLinear quantizes x's data for
 the forward GEMM, frees it, then makes the copy the backward keeps, so both never coexist with the output.
+``colsum_dtype`` (activations) also returns colsum [G, K] = for g: sum(x[rows(g)], 0) in that dtype, the FP8
+bias gradient when x is dy, from the quantize's own read of x where it has one (docs/design.md, 'FP8 bias
+gradient'); else colsum is an empty tensor. Like the k-grouped colsum it is never differentiable.
 
 How a call runs. Tracing (torch.compile, export, fake tensors) records the custom ops. Plain eager
 calls skip the dispatcher, whose Python cost (~55 us per call, ~125 us with autograd, on the CI CPU)
@@ -193,9 +196,10 @@ def _quantize_forward(
         colsum = x.new_empty(0, dtype=torch.float32)
     elif fused:
         colsum = empty((G, x.shape[-1]), dtype=colsum_dtype, device=x.device)
+    elif group_sizes is None:  # one group: no sizes tensor made on the host (a copy to the device)
+        colsum = torch.sum(x, 0, keepdim=True, dtype=torch.float32).to(colsum_dtype)
     else:
-        sizes = x.new_tensor([x.shape[0]], dtype=torch.int32) if group_sizes is None else group_sizes
-        colsum = grouped_column_sums(x, sizes, colsum_dtype, backend)
+        colsum = grouped_column_sums(x, group_sizes, colsum_dtype, backend)
     if backend == "reference":
         if weight:
             data, scale, data_t, scale_t = _ref.quantize_weight(x, recipe, dtype, transpose)
