@@ -345,11 +345,8 @@ def test_quantize_transposed_only_matches_full(recipe, backend):
 @pytest.mark.parametrize(
     "M,K,sizes",
     [
-        (
-            150,
-            208,
-            [40, 0, 70, 25],
-        ),  # sum < M (rows past it count in no group), an empty group, 2 column tiles
+        # sum < M (rows past it count in no group), an empty group, 2 column tiles
+        (150, 208, [40, 0, 70, 25]),
         (70, 33, [70, 0, 0]),  # one hot expert over several row tiles, K unaligned
         (64, 16, [0, 0]),  # every group empty: 0
         (45, 130, None),  # one group over all rows

@@ -641,11 +641,11 @@ def _group_amax(x, sizes, has_sizes, amax, colsum, rows_per_group, G, block_g, c
     """amax [G] (zeroed) = max |x[rows(g)]| and, with colsum [G, C], x's per-group column sums from the same read:
     fp8_group_amax_kernel's row-tile partials, which grouped_column_sums_kernel adds up in tile order."""
     R, C = x.shape
-    steps = 1 if colsum is None else AMAX_COLSUM_ROW_STEPS
     if colsum is None:
-        partial = x  # an unread pointer
+        steps, partial = 1, x  # x: an unread pointer
     else:
-        row_tiles = qk.tiles_geometry(R, C, G, qk.TENSOR, True, config, sms, steps)[4][0]
+        steps = AMAX_COLSUM_ROW_STEPS
+        block_r, _, _, _, (row_tiles, _) = qk.tiles_geometry(R, C, G, qk.TENSOR, True, config, sms, steps)
         partial = torch.empty(row_tiles, C, dtype=torch.float32, device=x.device)
     GROUP_AMAX.launch(
         ("amax", x.device, R, C, G, has_sizes, steps, colsum is not None),
@@ -675,7 +675,7 @@ def _group_amax(x, sizes, has_sizes, amax, colsum, rows_per_group, G, block_g, c
         lambda: _Grid(
             (G * triton.cdiv(C, COLUMN_SUMS_BLOCK),),
             dict(
-                TILE_R=qk.tile_shape(qk.TENSOR, True, config)[0] * steps,
+                TILE_R=block_r * steps,
                 BLOCK_C=COLUMN_SUMS_BLOCK,
                 BLOCK_G=block_g,
                 HAS_SIZES=has_sizes,
