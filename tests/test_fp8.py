@@ -352,8 +352,9 @@ def test_quantize_transposed_only_matches_full(recipe, backend):
         (45, 130, None),  # one group over all rows
         (0, 48, [0, 0, 0]),  # T = 0
         (600, 40, [520, 0, 60]),  # a group over several of the amax pass's row tiles
+        (1100, 272, [600, 0, 500]),  # groups long enough for rowwise's pair kernel (plan.quantize_pair)
     ],
-    ids=["skew-empty-tail", "one-hot", "all-empty", "ungrouped", "no-rows", "tall-group"],
+    ids=["skew-empty-tail", "one-hot", "all-empty", "ungrouped", "no-rows", "tall-group", "long-groups"],
 )
 def test_quantize_column_sums(M, K, sizes, recipe, transpose, backend, monkeypatch):
     """colsum[g] = sum(x[rows(g)], 0) against fp64 (the FP8 bias gradient), written over a poisoned buffer, in
@@ -406,6 +407,62 @@ def test_quantize_column_sums_refuses_other_launches():
     ):
         with pytest.raises(ValueError, match=match):
             launch_quantize_fp8(x, gs, recipe, q, s, *t, rows_per_group=20, G=2, colsum=colsum)
+
+
+@pytest.mark.parametrize("colsum", [False, True], ids=["maxima", "maxima+colsum"])
+@pytest.mark.parametrize(
+    "M,K,sizes",
+    [
+        (150, 208, [40, 0, 70, 25]),  # rows past the sum, an empty group, 2 column tiles
+        (600, 40, [520, 0, 60]),  # a group over several of the pass's row tiles
+        (64, 16, [0, 0]),  # every group empty
+        (45, 130, None),  # one group over all rows
+        (6, 300, 3),  # a weight [3, 2, 300]: 3 uniform groups of 2 rows
+    ],
+    ids=["skew-empty-tail", "tall-group", "all-empty", "ungrouped", "weight"],
+)
+def test_rowwise_maxima_pass(M, K, sizes, colsum):
+    """fp8_group_amax_kernel's ROWWISE run and grouped_columns_kernel (the rowwise pair quantize's first read):
+    every grouped row's maximum per 128 columns, each group's column scales (the twin's scale_t, bit for bit) and,
+    with colsum, its column sums against fp64, over poisoned buffers."""
+    from moegemm._src.torch import launch_fp8 as _launch_fp8
+    from moegemm._src.torch import ops as _ops
+
+    x = outliers(M, K, seed=M + K).to(DEVICE)
+    x[min(3, M - 1)] = 0.0  # a zero row
+    uniform = isinstance(sizes, int)
+    G = sizes if uniform else (1 if sizes is None else len(sizes))
+    rows_per_group = M // G if uniform else M
+    gs = None if uniform or sizes is None else torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
+    st = torch.full((G, K), float("nan"), device=DEVICE)
+    sums = torch.full((G, K), float("nan"), device=DEVICE) if colsum else None
+    torch.full((64 << 20,), -1, dtype=torch.uint8, device=DEVICE)  # freed at once: NaN-poisoned storage
+    config, sms = _launch_fp8._quantize_config(x.device)
+    bg = max(16, 1 << G.bit_length())
+    sizes_arg = st if gs is None else gs  # an unread pointer for uniform groups, as the launcher passes
+    rmax = _launch_fp8._group_amax(
+        x, sizes_arg, gs is not None, st, sums, rows_per_group, G, bg, config, sms, 448.0, st=st
+    ).cpu()
+    _launch_fp8.clear_launch_cache()
+    spans = [range(g * rows_per_group, (g + 1) * rows_per_group) for g in range(G)] if uniform else None
+    spans = spans or list(oracle.rows(sizes or [M], M))
+    xc = x.cpu()
+    tiles = fp8.cdiv(K, 128)
+    assert tuple(rmax.shape) == (tiles, M)
+    for g, r in enumerate(spans):
+        blocks = torch.nn.functional.pad(xc[r.start : r.stop].abs(), (0, tiles * 128 - K)).view(
+            -1, tiles, 128
+        )
+        assert torch.equal(rmax[:, r.start : r.stop], blocks.amax(2).T), f"group {g}: row maxima"
+        if colsum:
+            want = xc[r.start : r.stop].double().sum(0)
+            err = (sums[g].cpu().double() - want).norm() / max(want.norm(), 1e-30)
+            assert err <= 1e-6, f"group {g}: column sums {err:.2e}"
+    xt = xc.view(G, rows_per_group, K) if uniform else xc
+    twin = _ops.quantize(
+        xt, None if gs is None else gs.cpu(), "rowwise", torch.float8_e4m3fn, True, G, "reference"
+    )
+    assert torch.equal(as_bytes(st), as_bytes(twin[3].reshape(G, K))), "column scales differ from the twin's"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -477,7 +534,7 @@ def test_quantize_tile_shape_is_the_launch_tile(scaling, write_q):
 @pytest.mark.gpu
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
-@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+@pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize(
     "shape,sizes",
     [
@@ -508,10 +565,11 @@ def test_quantize_pair_writes_the_twins_bytes(shape, sizes, recipe, dtype, x_dty
     from moegemm._src.torch import launch_fp8 as _launch_fp8
     from moegemm._src.torch import ops as _ops
 
-    if not _launch_fp8._quantize_pair(recipe, True, True, torch.device(DEVICE)):
+    if not _launch_fp8._quantize_pair(recipe, True, True, True, torch.device(DEVICE)):
         pytest.skip(f"the plan keeps two launches here (ptxas {_launch_fp8._ptxas_release()!r} not checked)")
     calls, launch = [], _launch_fp8.QUANTIZE_PAIR.launch
     monkeypatch.setattr(_launch_fp8.QUANTIZE_PAIR, "launch", lambda *a: (calls.append(a[0]), launch(*a)))
+    monkeypatch.setattr(plan, "ROWWISE_PAIR_MIN_ROWS", 0)  # rowwise's short groups here take it too
     gen = torch.Generator().manual_seed(len(shape) + shape[-1])
     x = torch.randn(shape, generator=gen) * 3
     x.view(-1)[:: max(1, x.numel() // 300)] *= 100  # outliers
@@ -552,25 +610,33 @@ def test_quantize_pair_writes_the_twins_bytes(shape, sizes, recipe, dtype, x_dty
 
 
 def test_quantize_pair_plan(monkeypatch):
-    """The pair kernel runs only for tensorwise and blockwise with both copies of 16-element aligned rows, on
-    sm90 with Gluon, compiled by a checked ptxas; the constraint turns it off."""
+    """The pair kernel runs only with both copies of 16-element aligned rows, on sm90 with Gluon, compiled by a
+    checked ptxas, and for rowwise only on groups of ROWWISE_PAIR_MIN_ROWS rows on average; the constraint turns
+    it off."""
     from moegemm._src import plan
 
     monkeypatch.setattr(plan, "PAIR_QUANTIZE_PTXAS", frozenset({"99.9"}))
-    sm90, caps = plan.Target("sm90", "H100", 132), plan.Capabilities(gluon=True)
-    for release in ("99.9",):
-        for recipe in RECIPES:
-            assert plan.quantize_pair(recipe, True, True, True, sm90, caps, release) == (recipe != "rowwise")
-            assert not plan.quantize_pair(recipe, False, True, True, sm90, caps, release), (
-                "no transposed copy"
-            )
-            assert not plan.quantize_pair(recipe, True, False, True, sm90, caps, release), "data_t alone"
-            assert not plan.quantize_pair(recipe, True, True, False, sm90, caps, release), "rows not aligned"
-            assert not plan.quantize_pair(recipe, True, True, True, sm90, plan.JAX, release), "no Gluon"
-            assert not plan.quantize_pair(recipe, True, True, True, plan.INTERPRET, caps, release)
+    sm90, caps, release = plan.Target("sm90", "H100", 132), plan.Capabilities(gluon=True), "99.9"
+    long, short = plan.ROWWISE_PAIR_MIN_ROWS, plan.ROWWISE_PAIR_MIN_ROWS - 1
+    for recipe in RECIPES:
+        assert plan.quantize_pair(recipe, True, True, True, long, sm90, caps, release)
+        assert plan.quantize_pair(recipe, True, True, True, short, sm90, caps, release) == (
+            recipe != "rowwise"
+        )
+        assert not plan.quantize_pair(recipe, False, True, True, long, sm90, caps, release), (
+            "no transposed copy"
+        )
+        assert not plan.quantize_pair(recipe, True, False, True, long, sm90, caps, release), "data_t alone"
+        assert not plan.quantize_pair(recipe, True, True, False, long, sm90, caps, release), (
+            "rows not aligned"
+        )
+        assert not plan.quantize_pair(recipe, True, True, True, long, sm90, plan.JAX, release), "no Gluon"
+        assert not plan.quantize_pair(recipe, True, True, True, long, plan.INTERPRET, caps, release)
         with plan.constrained(plan.Constraints(quantize_pair=False)):
-            assert not plan.quantize_pair("blockwise", True, True, True, sm90, caps, release)
-    assert not plan.quantize_pair("blockwise", True, True, True, sm90, caps, "12.0"), "an unchecked ptxas"
+            assert not plan.quantize_pair(recipe, True, True, True, long, sm90, caps, release)
+        assert not plan.quantize_pair(recipe, True, True, True, long, sm90, caps, "12.0"), (
+            "an unchecked ptxas"
+        )
 
 
 def test_quantize_pair_reads_the_ptxas_release(monkeypatch):

@@ -743,23 +743,31 @@ def quantize_config(target: Target) -> configs.QuantizeConfig:
 PAIR_QUANTIZE_PTXAS: frozenset[str] = frozenset({"12.8", "13.0", "13.4"})  # triton 3.6's, CUDA 13.0's, 3.9's
 
 
+# Mean rows a group from which rowwise takes the pair kernel: its maxima pass reads 256-row tiles. H100, 2026-11-28
+# (journal 49): dsv3-ep8-fc1's dy (1024 rows a group) quantized in 0.46 ms against 0.56 with the rows and columns
+# launches; qwen3-30b-fc1's (128) made the step 1.082 ms against 1.060.
+ROWWISE_PAIR_MIN_ROWS = 256
+
+
 def quantize_pair(
     recipe: str,
     transpose: bool,
     data: bool,
     rows_aligned: bool,
+    group_rows: float,
     target: Target,
     caps: Capabilities,
     ptxas: str,
 ) -> bool:
     """Whether a quantize launch writes data and data_t with the one-read pair kernel (else a launch for each,
-    each reading x): tensorwise and blockwise with both copies wanted, x's rows and width in multiples of 16
-    elements with unit column stride (``rows_aligned``: its cp.async copies are 16 bytes), on sm90 through
-    Gluon, compiled by a ptxas release in PAIR_QUANTIZE_PTXAS (``ptxas``: its 'X.Y'). ``Constraints.
-    quantize_pair`` False turns it off, True keeps it where it applies (the ptxas check included)."""
+    each reading x): both copies wanted, x's rows and width in multiples of 16 elements with unit column stride
+    (``rows_aligned``: its cp.async copies are 16 bytes), on sm90 through Gluon, compiled by a ptxas release in
+    PAIR_QUANTIZE_PTXAS (``ptxas``: its 'X.Y'); rowwise where its groups average ROWWISE_PAIR_MIN_ROWS rows or
+    more (``group_rows``). ``Constraints.quantize_pair`` False turns it off, True keeps it where it applies (the
+    ptxas check included)."""
     if _active.quantize_pair is False or not (transpose and data and rows_aligned):
         return False
-    if recipe not in ("tensorwise", "blockwise"):
+    if recipe == "rowwise" and group_rows < ROWWISE_PAIR_MIN_ROWS:
         return False
     return target.name == "sm90" and caps.gluon and ptxas in PAIR_QUANTIZE_PTXAS
 

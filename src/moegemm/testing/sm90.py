@@ -118,7 +118,7 @@ def _quantize_pair(scaling: int = 1, warps: int = 16, x: str = "bf16", weight: b
     config = configs.pick_config("quantize_fp8", "sm90")
     meta = dict(
         CHUNKS=config.pair_chunks, BLOCK_G=64, HAS_SIZES=not weight, NUM_STAGES=config.pair_stages,
-        SCALING=scaling, T_GROUP_LOCAL=weight, FP8_MAX=448.0, WIDE_OFFSETS=False, num_warps=warps,
+        SCALING=scaling, T_GROUP_LOCAL=weight, FP8_MAX=448.0, WIDE_OFFSETS=False, AMAX_COLS=64, num_warps=warps,
     )  # fmt: skip
     pointers = {
         "x_ptr": f"*{x}", "group_sizes_ptr": "*i32", "amax_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
@@ -129,6 +129,7 @@ def _quantize_pair(scaling: int = 1, warps: int = 16, x: str = "bf16", weight: b
         R=R, C=C, G=G_, rows_per_group=N if weight else R, stride_xr=C, stride_xc=1, stride_qr=C + 16,
         stride_qc=1, stride_tg=K * N if weight else 0, stride_tc=N if weight else M + 16 * G, stride_tr=1,
         stride_sg=0 if weight else 1, stride_sr=0 if weight else 1, stride_sc=R, stride_stb=C, stride_stc=1,
+        stride_aj=M,
     )  # fmt: skip
     if weight:
         nb, kb = N // 128, K // 128
@@ -564,6 +565,7 @@ KERNELS = {
     "quantize-pair-blockwise": _quantize_pair,
     "quantize-pair-blockwise-8-warps": lambda: _quantize_pair(warps=8),
     "quantize-pair-tensorwise": lambda: _quantize_pair(0),
+    "quantize-pair-rowwise": lambda: _quantize_pair(3),
     "quantize-pair-tensorwise-8-warps": lambda: _quantize_pair(0, 8),
     "quantize-pair-blockwise-fp32": lambda: _quantize_pair(x="fp32"),
     "quantize-pair-weight-blockwise": lambda: _quantize_pair(2, weight=True),

@@ -72,7 +72,8 @@ def group_amax_call(
         rows_per_group=rows_per_group,
         stride_xr=C,
         stride_xc=1,
-        stride_pr=0,  # no column sums (COLSUM): x stands in for their pointer
+        stride_pr=0,  # no column sums (COLSUM) nor rowwise maxima: x stands in for their pointers
+        stride_rj=0,
         BLOCK_R=block_r,
         BLOCK_C=block_c,
         CHUNKS=chunks,
@@ -81,7 +82,7 @@ def group_amax_call(
         NUM_STAGES=config.num_stages,
         num_warps=warps,
     )
-    args = (x, _sizes_arg(group_sizes, x), x)
+    args = (x, _sizes_arg(group_sizes, x), x, x, x)
     return KernelCall(qk.fp8_group_amax_kernel, grid, args, _sds((G,), jnp.float32), meta, {}, (0,))
 
 

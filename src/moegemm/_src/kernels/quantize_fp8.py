@@ -7,7 +7,8 @@ The input is a matrix x [R, C] whose rows form groups: activations [M, K] split 
 Kernels (each reads x once, except where a scale needs the whole row or group before the first cast):
 
 - ``fp8_quantize_pair_kernel`` (Gluon): data and its transposed copy from one read of x, for tensorwise
-  (after ``fp8_group_amax_kernel``) and blockwise; where the plan admits it (``plan.quantize_pair``: the
+  (after ``fp8_group_amax_kernel``), rowwise (after its ROWWISE run and ``grouped_columns_kernel``'s
+  column scales) and blockwise; where the plan admits it (``plan.quantize_pair``: the
   ptxas that compiles it was checked byte for byte on the H100), else the two tile launches below.
 - ``fp8_quantize_tiles_kernel``: blockwise. Group-aligned row tiles give the 1x128 row scales and
   data (one launch, q_rows x 128 tiles), and the 128x1 column scales and data_t of the transposed copy
@@ -15,9 +16,9 @@ Kernels (each reads x once, except where a scale needs the whole row or group be
   128x128 block scale (weights). ``tiles_geometry`` gives each launch's tiles and grid.
   Also the cast pass of tensorwise, whose per-group amax ``fp8_group_amax_kernel`` computed first:
   current scaling needs the amax of the whole group before the first element is cast. That pass can also
-  (COLSUM) write its row tiles' column sums, which ``grouped_column_sums_kernel`` adds up per group: dy's bias
-  gradient (docs/design.md, 'FP8 bias gradient').
-- ``fp8_quantize_rows_kernel``: rowwise, one scale per row, in two sweeps over each row (amax,
+  (COLSUM) write its row tiles' column sums, which ``grouped_columns_kernel`` adds up per group: dy's bias
+  gradient (docs/design.md, 'FP8 bias gradient'); or (ROWWISE) rowwise's partial row and column maxima.
+- ``fp8_quantize_rows_kernel``: rowwise where the pair kernel does not run, one scale per row, in two sweeps over each row (amax,
   then cast); the second sweep reads the rows its program just read, from L2.
 - ``fp8_quantize_cols_kernel``: rowwise transposed copy, one scale per (group, column), the same
   two sweeps over a group's rows; optionally (COLSUM) the group's column sums from the first sweep: dy's
@@ -48,8 +49,8 @@ T_ALIGN = tl.constexpr(16)
 # The pair kernel's tile side: one 1x128 block wide, one group-aligned 128x1 block tall.
 PAIR_BLOCK = tl.constexpr(SCALE_BLOCK)
 
-# SCALING of fp8_quantize_tiles_kernel.
-TENSOR, BLOCK_1X128, BLOCK_128X128 = 0, 1, 2
+# SCALING of fp8_quantize_tiles_kernel and fp8_quantize_pair_kernel (ROWWISE: the pair kernel only).
+TENSOR, BLOCK_1X128, BLOCK_128X128, ROWWISE = 0, 1, 2, 3
 
 
 def tile_shape(scaling: int, write_q: bool, config) -> tuple[int, int]:
@@ -164,14 +165,17 @@ def fp8_group_amax_kernel(
     x_ptr,
     group_sizes_ptr,
     partial_ptr,  # COLSUM: fp32 [row tiles, C]; partial[t] = sum(x[rows of row tile t], 0)
-    amax_ptr,  # [G] float32, zero-initialized; amax_ptr[g] = max |x[rows(g)]|
+    pmax_ptr,  # ROWWISE: fp32 [row tiles, C]; pmax[t] = max(|x[rows of row tile t]|, 0)
+    rmax_ptr,  # ROWWISE: fp32 [column tiles, R]; rmax[j, r] = max |x[r, 128 j : 128 (j + 1)]|
+    amax_ptr,  # [G] float32, zero-initialized; amax_ptr[g] = max |x[rows(g)]| (not ROWWISE)
     R,
     C,
     G,
     rows_per_group,
     stride_xr,
     stride_xc,
-    stride_pr,
+    stride_pr,  # partial's and pmax's row-tile stride
+    stride_rj,  # rmax's column-tile stride
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     CHUNKS: tl.constexpr,
@@ -179,11 +183,16 @@ def fp8_group_amax_kernel(
     HAS_SIZES: tl.constexpr,
     # cp.async stages where C and strides are 16-divisible (docs/design.md, 'Quantize')
     NUM_STAGES: tl.constexpr,
-    # The column sums of each group-aligned row tile, which ``grouped_column_sums_kernel`` adds up per group: dy's
+    # The column sums of each group-aligned row tile, which ``grouped_columns_kernel`` adds up per group: dy's
     # bias gradient from the read its amax takes anyway (docs/design.md, 'FP8 bias gradient'). A row tile is then
     # ROW_STEPS blocks of BLOCK_R rows, summed elementwise, so the sum crosses warps once a tile and column block.
     COLSUM: tl.constexpr = False,
     ROW_STEPS: tl.constexpr = 1,
+    # Rowwise's scales instead of the group amax: each row tile's column maxima (pmax, which
+    # grouped_columns_kernel turns into the group's column scales) and each row's maximum per column tile
+    # (rmax, which fp8_quantize_pair_kernel reduces into the row's scale), so the pair kernel's one read of x
+    # writes both copies (docs/design.md, 'Quantize').
+    ROWWISE: tl.constexpr = False,
 ):
     # Program (row tile, column segment), as fp8_quantize_tiles_kernel; one atomic per program.
     TILE_R: tl.constexpr = BLOCK_R * ROW_STEPS
@@ -198,7 +207,7 @@ def fp8_group_amax_kernel(
         offs_c = tl.arange(0, BLOCK_C)
         amax = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
         first = tl.program_id(1) * CHUNKS
-        if COLSUM:
+        if COLSUM or ROWWISE:
             # A plain loop: this nest under tl.range's cp.async pipelining asked the H100 for 264 KB of shared
             # memory on some shapes (2026-11-28).
             for c in range(0, tl.minimum(CHUNKS, tl.cdiv(C, BLOCK_C) - first)):
@@ -206,18 +215,28 @@ def fp8_group_amax_kernel(
                 col_mask = offs_c < C - col0
                 base = x_ptr + row0 * stride_xr + col0.to(tl.int64) * stride_xc
                 colsum = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+                colmax = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
                 for r in tl.static_range(ROW_STEPS):  # masked past row_end: a short tile's loads read nothing
-                    mask = (offs_r < row_end - row0 - r * BLOCK_R)[:, None] & col_mask[None, :]
+                    row_mask = offs_r < row_end - row0 - r * BLOCK_R
                     rows = (r * BLOCK_R + offs_r).to(tl.int64)  # up to 255 rows' stride: past int32
                     x = tl.load(
                         base + rows[:, None] * stride_xr + offs_c[None, :] * stride_xc,
-                        mask=mask,
+                        mask=row_mask[:, None] & col_mask[None, :],
                         other=0.0,
                     ).to(tl.float32)
-                    amax = tl.maximum(amax, tl.abs(x))
-                    colsum += x
-                p_ptrs = partial_ptr + row_tile.to(tl.int64) * stride_pr + col0 + offs_c
-                tl.store(p_ptrs, tl.sum(colsum, 0), mask=col_mask)
+                    if ROWWISE:
+                        colmax = tl.maximum(colmax, tl.abs(x))
+                        r_ptrs = rmax_ptr + (first + c).to(tl.int64) * stride_rj + row0 + rows
+                        tl.store(r_ptrs, tl.max(tl.abs(x), 1), mask=row_mask)
+                    else:
+                        amax = tl.maximum(amax, tl.abs(x))
+                    if COLSUM:
+                        colsum += x
+                p_offs = row_tile.to(tl.int64) * stride_pr + col0 + offs_c
+                if COLSUM:
+                    tl.store(partial_ptr + p_offs, tl.sum(colsum, 0), mask=col_mask)
+                if ROWWISE:
+                    tl.store(pmax_ptr + p_offs, tl.max(colmax, 0), mask=col_mask)
         else:
             row_mask = offs_r < row_end - row0
             for c in tl.range(0, tl.minimum(CHUNKS, tl.cdiv(C, BLOCK_C) - first), num_stages=NUM_STAGES):
@@ -228,15 +247,18 @@ def fp8_group_amax_kernel(
                     base + offs_r[:, None] * stride_xr + offs_c[None, :] * stride_xc, mask=mask, other=0.0
                 )
                 amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        # max is exact and order-free: the atomics leave a deterministic result.
-        tl.atomic_max(amax_ptr + g, tl.max(tl.max(amax, 1), 0))
+        if not ROWWISE:
+            # max is exact and order-free: the atomics leave a deterministic result.
+            tl.atomic_max(amax_ptr + g, tl.max(tl.max(amax, 1), 0))
 
 
 @triton.jit
-def grouped_column_sums_kernel(
-    partial_ptr,  # fp32 [row tiles, C] from fp8_group_amax_kernel (COLSUM) with the same TILE_R
+def grouped_columns_kernel(
+    partial_ptr,  # SUMS: fp32 [row tiles, C] from fp8_group_amax_kernel (COLSUM) with the same TILE_R
+    pmax_ptr,  # SCALES: fp32 [row tiles, C] from fp8_group_amax_kernel (ROWWISE) with the same TILE_R
     group_sizes_ptr,
-    out_ptr,  # [G, C]
+    out_ptr,  # SUMS: [G, C]
+    st_ptr,  # SCALES: fp32 [G, C]
     R,
     C,
     G,
@@ -244,13 +266,20 @@ def grouped_column_sums_kernel(
     stride_pr,
     stride_og,
     stride_oc,
+    stride_sg,
+    stride_sc,
     TILE_R: tl.constexpr,  # the partials' row tile
     BLOCK_C: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HAS_SIZES: tl.constexpr,
+    SUMS: tl.constexpr,
+    SCALES: tl.constexpr,
+    FP8_MAX: tl.constexpr = 448.0,
 ):
-    """out[g] = sum(x[rows(g)], 0) from the partial sums of g's row tiles, added in tile order (deterministic);
-    an empty group gets 0. A program per (group, column block)."""
+    """The per-group column reductions of fp8_group_amax_kernel's row-tile partials, in tile order
+    (deterministic); an empty group gets a sum of 0 and a scale of 1. A program per (group, column block).
+
+        out[g] = sum(partial[tiles(g)], 0);  st[g] = scale(max(pmax[tiles(g)], 0))"""
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(C, BLOCK_C)
     g = pid // n_blocks
@@ -260,16 +289,27 @@ def grouped_column_sums_kernel(
     n = pick(m_tiles, offs, g)
     offs_c = tl.arange(0, BLOCK_C)
     col_mask = offs_c < C - col0
-    p_ptrs = partial_ptr + (pick(tile_ends, offs, g) - n).to(tl.int64) * stride_pr + col0 + offs_c
+    p_offs = (pick(tile_ends, offs, g) - n).to(tl.int64) * stride_pr + col0 + offs_c
     acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
     for _ in range(0, n):
-        acc += tl.load(p_ptrs, mask=col_mask, other=0.0)
-        p_ptrs += stride_pr
-    tl.store(
-        out_ptr + g.to(tl.int64) * stride_og + (col0 + offs_c) * stride_oc,
-        acc.to(out_ptr.dtype.element_ty),
-        mask=col_mask,
-    )
+        if SUMS:
+            acc += tl.load(partial_ptr + p_offs, mask=col_mask, other=0.0)
+        if SCALES:
+            amax = tl.maximum(amax, tl.load(pmax_ptr + p_offs, mask=col_mask, other=0.0))
+        p_offs += stride_pr
+    if SUMS:
+        tl.store(
+            out_ptr + g.to(tl.int64) * stride_og + (col0 + offs_c) * stride_oc,
+            acc.to(out_ptr.dtype.element_ty),
+            mask=col_mask,
+        )
+    if SCALES:
+        tl.store(
+            st_ptr + g.to(tl.int64) * stride_sg + (col0 + offs_c) * stride_sc,
+            _scale(amax, FP8_MAX),
+            mask=col_mask,
+        )
 
 
 @triton.jit
@@ -508,6 +548,7 @@ def fp8_quantize_pair_kernel(
     stride_sc,
     stride_stb,
     stride_stc,
+    stride_aj,  # ROWWISE: amax_ptr's column-tile stride
     CHUNKS: gl.constexpr,  # 128-wide column tiles per program
     BLOCK_G: gl.constexpr,
     HAS_SIZES: gl.constexpr,
@@ -516,14 +557,18 @@ def fp8_quantize_pair_kernel(
     T_GROUP_LOCAL: gl.constexpr,
     FP8_MAX: gl.constexpr,
     WIDE_OFFSETS: gl.constexpr,
+    AMAX_COLS: gl.constexpr = 1,  # ROWWISE: amax_ptr's rows (C's 128-wide tiles), a power of two or more
 ):
     """x [R, C] in groups -> data q [R, C] and scale s, and data_t qt and scale_t st, from one read:
-    ``fp8_quantize_tiles_kernel``'s two launches (WRITE_Q, then WRITE_T) in one, byte for byte.
+    ``fp8_quantize_tiles_kernel``'s two launches (WRITE_Q, then WRITE_T) in one, byte for byte; for ROWWISE,
+    ``fp8_quantize_rows_kernel``'s and ``fp8_quantize_cols_kernel``'s.
 
         for each group-aligned 128 x 128 tile t of x:  q[t], qt[t^T] = cast(t * inv), cast(t * inv_t)
 
     inv and inv_t are the same multiplier (TENSOR: the group's; BLOCK_128X128: the tile's), or the 1x128
-    row scales' and the 128x1 column scales' (BLOCK_1X128). Programs, tail slot and data_t columns as
+    row scales' and the 128x1 column scales' (BLOCK_1X128), or (ROWWISE) the rows' scales, from their
+    maxima per column tile (amax_ptr: fp8_group_amax_kernel's rmax), and the group's column scales st
+    [G, C], given (grouped_columns_kernel). Programs, tail slot and data_t columns as
     fp8_quantize_tiles_kernel; 8 or 16 warps hold a tile (``_pair_layout``)."""
     BLOCK: gl.constexpr = PAIR_BLOCK
     layout: gl.constexpr = _pair_layout(gl.num_warps(), False)
@@ -582,6 +627,22 @@ def fp8_quantize_pair_kernel(
     elif SCALING == 1:
         s_base = s_ptr + (row0 + offs_r) * stride_sr
         st_base = st_ptr + (block_base + m_tile).to(gl.int64) * stride_stb
+    elif SCALING == 3:
+        # The rows' scales from their maxima over every column tile (one load of 128 x AMAX_COLS, lanes along
+        # the rows: amax_ptr is [column tiles, R]), written by the first column segment's program; the tail
+        # slot's rows get 1 (x is 0 there).
+        a_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, gl.num_warps()], [0, 1])
+        a_r = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, a_layout))
+        a_c = gl.arange(0, AMAX_COLS, layout=gl.SliceLayout(0, a_layout))
+        a_mask = (a_r < gl.where(in_group, rows, 0))[:, None] & (a_c < gl.cdiv(C, BLOCK))[None, :]
+        row_amax = gl.load(
+            amax_ptr + a_c.to(gl.int64)[None, :] * stride_aj + (row0 + a_r)[:, None], mask=a_mask, other=0.0
+        )
+        row_scale = _scale(gl.convert_layout(gl.max(row_amax, 1), gl.SliceLayout(1, layout)), FP8_MAX)
+        if gl.program_id(1) == 0:
+            gl.store(s_ptr + (row0 + offs_r) * stride_sr, row_scale, mask=row_mask)
+        row_inv = _inv(row_scale)
+        st_base = st_ptr + gl.minimum(g, G - 1).to(gl.int64) * stride_stb
     else:
         s_base = s_ptr + g.to(gl.int64) * stride_sg + m_tile.to(gl.int64) * stride_sr
 
@@ -626,6 +687,16 @@ def fp8_quantize_pair_kernel(
                 col_scale,
                 mask=offs_c < gl.where(in_group, C - col0, 0),
             )
+        elif SCALING == 3:
+            col_scale = gl.load(
+                st_base + (col0 + offs_c) * stride_stc,
+                mask=offs_c < gl.where(in_group, C - col0, 0),
+                other=1.0,
+            )
+            q = _cast(x, row_inv[:, None], FP8_MAX, dtype, False)
+            # Other values than data's, as BLOCK_1X128's (checked byte for byte, 'Quantize').
+            qt = _cast(x, _inv(col_scale)[None, :], FP8_MAX, dtype, False)
+            qt = gl.convert_layout(qt.to(gl.uint8, bitcast=True), t_layout, assert_trivial=True)
         else:
             block_scale = _scale(gl.max(gl.max(gl.abs(x), 1), 0), FP8_MAX)  # one per 128x128 block
             q = _cast(x, _inv(block_scale), FP8_MAX, dtype, False)

@@ -37,7 +37,7 @@ M_GROUPED_FP8_WS = DirectLaunch(ws.m_grouped_mm_fp8_ws_kernel)
 K_GROUPED_FP8 = DirectLaunch(k_grouped_mm_fp8_kernel)
 K_GROUPED_FP8_WS = DirectLaunch(k_ws.k_grouped_mm_fp8_ws_kernel, descriptors=True)
 GROUP_AMAX = DirectLaunch(qk.fp8_group_amax_kernel)
-COLUMN_SUMS = DirectLaunch(qk.grouped_column_sums_kernel)
+GROUPED_COLUMNS = DirectLaunch(qk.grouped_columns_kernel)
 QUANTIZE_TILES = DirectLaunch(qk.fp8_quantize_tiles_kernel)
 QUANTIZE_PAIR = DirectLaunch(qk.fp8_quantize_pair_kernel)
 QUANTIZE_ROWS = DirectLaunch(qk.fp8_quantize_rows_kernel)
@@ -50,7 +50,7 @@ LAUNCHES = (
     K_GROUPED_FP8,
     K_GROUPED_FP8_WS,
     GROUP_AMAX,
-    COLUMN_SUMS,
+    GROUPED_COLUMNS,
     QUANTIZE_TILES,
     QUANTIZE_PAIR,
     QUANTIZE_ROWS,
@@ -186,11 +186,15 @@ def _quantize_config(device: torch.device) -> tuple[configs.QuantizeConfig, int]
 
 
 @functools.lru_cache(maxsize=64)
-def _quantize_pair(recipe: str, transpose: bool, rows_aligned: bool, device: torch.device) -> bool:
-    """plan.quantize_pair for a launch that writes data (and data_t when ``transpose``) on ``device``."""
+def _quantize_pair(
+    recipe: str, transpose: bool, rows_aligned: bool, long_groups: bool, device: torch.device
+) -> bool:
+    """plan.quantize_pair for a launch that writes data (and data_t when ``transpose``) on ``device``;
+    ``long_groups``: its groups average plan.ROWWISE_PAIR_MIN_ROWS rows or more."""
     target = _target(device)
     ptxas = _ptxas_release() if target.name == "sm90" and CAPABILITIES.gluon else ""
-    return plan.quantize_pair(recipe, transpose, True, rows_aligned, target, CAPABILITIES, ptxas)
+    group_rows = plan.ROWWISE_PAIR_MIN_ROWS if long_groups else 0
+    return plan.quantize_pair(recipe, transpose, True, rows_aligned, group_rows, target, CAPABILITIES, ptxas)
 
 
 @functools.cache
@@ -479,6 +483,44 @@ def launch_quantize_fp8(
     has_sizes = group_sizes is not None
     sizes = group_sizes if has_sizes else s  # an unread pointer when the groups are uniform
     bg = max(16, triton.next_power_of_2(G + 1))
+    max_stride = max(map(abs, (*x.stride(), *q.stride(), *(qt.stride() if qt is not None else ()))))
+    aligned = x.stride(1) == 1 and x.stride(0) % 16 == 0 and C % 16 == 0 and x.data_ptr() % 16 == 0
+    # Offsets within a pair tile reach its 128-element side times the largest stride.
+    pair_wide = 2 * fp8.SCALE_BLOCK * max_stride >= 2**31 or x.numel() >= 2**31
+    long_groups = R >= plan.ROWWISE_PAIR_MIN_ROWS * G
+    pair = (
+        not t_only
+        and gather is None
+        and _quantize_pair(recipe, qt is not None, aligned, long_groups, x.device)
+    )
+    if recipe == "rowwise" and pair:
+        # The rows' and the groups' column maxima from one read, then both copies from a second (plan.quantize_pair).
+        rmax = _group_amax(
+            x, sizes, has_sizes, st, colsum, rows_per_group, G, bg, config, sms, fp8_max, st=st
+        )
+        qt8, t_local = qt.view(torch.uint8), qt.dim() == 3
+        QUANTIZE_PAIR.launch(
+            ("pair", x.device, R, C, G, has_sizes, qk.ROWWISE, t_local, fp8_max, pair_wide),
+            (x, sizes, rmax, q, s, qt8, st),
+            (
+                R,
+                C,
+                G,
+                rows_per_group,
+                *x.stride(),
+                *q.stride(),
+                *(qt8.stride() if t_local else (0, *qt8.stride())),
+                0,
+                s.stride(-1),
+                0,
+                *st.stride(),
+                rmax.stride(0),
+            ),
+            lambda: _pair_grid(
+                R, C, G, bg, has_sizes, config, sms, qk.ROWWISE, t_local, fp8_max, pair_wide, rmax.shape[0]
+            ),
+        )
+        return
     if recipe == "rowwise":
         rows = config.sweep_rows
         if not t_only:
@@ -550,7 +592,7 @@ def launch_quantize_fp8(
     else:
         scaling = qk.TENSOR
         amax = torch.zeros(G, dtype=torch.float32, device=x.device)
-        _group_amax(x, sizes, has_sizes, amax, colsum, rows_per_group, G, bg, config, sms)
+        _group_amax(x, sizes, has_sizes, amax, colsum, rows_per_group, G, bg, config, sms, fp8_max)
     write_t = qt is not None
     t_local = write_t and qt.dim() == 3
     if write_t:
@@ -565,17 +607,13 @@ def launch_quantize_fp8(
         s_strides, st_strides = (0, *s.stride()), st.stride() if write_t else (0, 0)
     else:
         s_strides, st_strides = s.stride(), (0, 0)
-    max_stride = max(map(abs, (*x.stride(), *q.stride(), *t_strides)))
-    aligned = x.stride(1) == 1 and x.stride(0) % 16 == 0 and C % 16 == 0 and x.data_ptr() % 16 == 0
-    if not t_only and gather is None and _quantize_pair(recipe, write_t, aligned, x.device):
-        # One read of x for both copies (plan.quantize_pair). Offsets within a tile reach its 128-element side
-        # times the largest stride.
-        wide = 2 * fp8.SCALE_BLOCK * max_stride >= 2**31 or x.numel() >= 2**31
+    if pair:
+        # One read of x for both copies (plan.quantize_pair).
         QUANTIZE_PAIR.launch(
-            ("pair", x.device, R, C, G, has_sizes, scaling, t_local, fp8_max, wide),
+            ("pair", x.device, R, C, G, has_sizes, scaling, t_local, fp8_max, pair_wide),
             (x, sizes, amax if scaling == qk.TENSOR else s, q, s, qt8, st),
-            (R, C, G, rows_per_group, *x.stride(), *q.stride(), *t_strides, *s_strides, *st_strides),
-            lambda: _pair_grid(R, C, G, bg, has_sizes, config, sms, scaling, t_local, fp8_max, wide),
+            (R, C, G, rows_per_group, *x.stride(), *q.stride(), *t_strides, *s_strides, *st_strides, 0),
+            lambda: _pair_grid(R, C, G, bg, has_sizes, config, sms, scaling, t_local, fp8_max, pair_wide),
         )
         return
     # data/scale and the transposed copy come from separate launches (fp8_quantize_tiles_kernel says why).
@@ -632,25 +670,33 @@ def launch_quantize_fp8(
         )
 
 
-# Data tiles a row tile of the amax pass takes when it also sums columns (fp8_group_amax_kernel's ROW_STEPS).
+# Data tiles a row tile of the amax pass takes when it also sums columns or takes rowwise's maxima
+# (fp8_group_amax_kernel's ROW_STEPS).
 AMAX_COLSUM_ROW_STEPS = 8
-COLUMN_SUMS_BLOCK = 256  # columns a grouped_column_sums_kernel program adds
+COLUMNS_BLOCK = 256  # columns a grouped_columns_kernel program reduces
 
 
-def _group_amax(x, sizes, has_sizes, amax, colsum, rows_per_group, G, block_g, config, sms) -> None:
-    """amax [G] (zeroed) = max |x[rows(g)]| and, with colsum [G, C], x's per-group column sums from the same read:
-    fp8_group_amax_kernel's row-tile partials, which grouped_column_sums_kernel adds up in tile order."""
+def _group_amax(
+    x, sizes, has_sizes, amax, colsum, rows_per_group, G, block_g, config, sms, fp8_max, st=None
+) -> torch.Tensor | None:
+    """amax [G] (zeroed) = max |x[rows(g)]|; or, given st (rowwise), st [G, C] = the groups' column scales, and
+    the return value rmax [cdiv(C, 128), R] = the rows' maxima per 128 columns; with colsum [G, C] also x's
+    per-group column sums from the same read: fp8_group_amax_kernel's row-tile partials, which
+    grouped_columns_kernel reduces per group in tile order."""
     R, C = x.shape
-    if colsum is None:
-        steps, partial = 1, x  # x: an unread pointer
-    else:
-        steps = AMAX_COLSUM_ROW_STEPS
-        block_r, _, _, _, (row_tiles, _) = qk.tiles_geometry(R, C, G, qk.TENSOR, True, config, sms, steps)
+    rowwise = st is not None
+    steps = AMAX_COLSUM_ROW_STEPS if colsum is not None or rowwise else 1
+    block_r, _, _, _, (row_tiles, _) = qk.tiles_geometry(R, C, G, qk.TENSOR, True, config, sms, steps)
+    partial = pmax = rmax = x  # unread pointers where not taken
+    if colsum is not None:
         partial = torch.empty(row_tiles, C, dtype=torch.float32, device=x.device)
+    if rowwise:
+        pmax = torch.empty(row_tiles, C, dtype=torch.float32, device=x.device)
+        rmax = torch.empty(triton.cdiv(C, fp8.SCALE_BLOCK), R, dtype=torch.float32, device=x.device)
     GROUP_AMAX.launch(
-        ("amax", x.device, R, C, G, has_sizes, steps, colsum is not None),
-        (x, sizes, partial, amax),
-        (R, C, G, rows_per_group, *x.stride(), partial.stride(0)),
+        ("amax", x.device, R, C, G, has_sizes, steps, colsum is not None, rowwise),
+        (x, sizes, partial, pmax, rmax, amax),
+        (R, C, G, rows_per_group, *x.stride(), C, R),
         lambda: _tiles_grid(
             R,
             C,
@@ -664,29 +710,56 @@ def _group_amax(x, sizes, has_sizes, amax, colsum, rows_per_group, G, block_g, c
             steps,
             COLSUM=colsum is not None,
             ROW_STEPS=steps,
+            ROWWISE=rowwise,
         ),
     )
-    if colsum is None:
-        return
-    COLUMN_SUMS.launch(
-        ("colsum", x.device, R, C, G, has_sizes, steps, colsum.dtype),
-        (partial, sizes, colsum),
-        (R, C, G, rows_per_group, partial.stride(0), *colsum.stride()),
+    if colsum is None and not rowwise:
+        return None
+    GROUPED_COLUMNS.launch(
+        (
+            "columns",
+            x.device,
+            R,
+            C,
+            G,
+            has_sizes,
+            steps,
+            None if colsum is None else colsum.dtype,
+            rowwise,
+            fp8_max,
+        ),
+        (partial, pmax, sizes, st if colsum is None else colsum, colsum if st is None else st),
+        (
+            R,
+            C,
+            G,
+            rows_per_group,
+            C,
+            *((0, 0) if colsum is None else colsum.stride()),
+            *((0, 0) if st is None else st.stride()),
+        ),
         lambda: _Grid(
-            (G * triton.cdiv(C, COLUMN_SUMS_BLOCK),),
+            (G * triton.cdiv(C, COLUMNS_BLOCK),),
             dict(
                 TILE_R=block_r * steps,
-                BLOCK_C=COLUMN_SUMS_BLOCK,
+                BLOCK_C=COLUMNS_BLOCK,
                 BLOCK_G=block_g,
                 HAS_SIZES=has_sizes,
+                SUMS=colsum is not None,
+                SCALES=rowwise,
+                FP8_MAX=fp8_max,
                 num_warps=4,
             ),
         ),
     )
+    return rmax if rowwise else None
 
 
-def _pair_grid(R, C, G, block_g, has_sizes, config, sms, scaling, t_local, fp8_max, wide) -> _Grid:
-    """The pair kernel's launch description (``qk.pair_geometry``). Built on a miss only (DirectLaunch)."""
+def _pair_grid(
+    R, C, G, block_g, has_sizes, config, sms, scaling, t_local, fp8_max, wide, amax_cols=1
+) -> _Grid:
+    """The pair kernel's launch description (``qk.pair_geometry``); ``amax_cols``: ROWWISE's row maxima per row.
+    Built on a miss only (DirectLaunch)."""
     chunks, grid = qk.pair_geometry(R, C, G, config, sms)
     return _Grid(
         grid,
@@ -699,6 +772,8 @@ def _pair_grid(R, C, G, block_g, has_sizes, config, sms, scaling, t_local, fp8_m
             T_GROUP_LOCAL=t_local,
             FP8_MAX=fp8_max,
             WIDE_OFFSETS=wide,
+            # rowwise's maxima: at least 32 column tiles, so that the 16 warps along them hold no copies
+            AMAX_COLS=max(32, triton.next_power_of_2(amax_cols)),
             num_warps=config.pair_warps,
         ),
     )
