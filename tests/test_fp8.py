@@ -369,11 +369,24 @@ def test_quantize_column_sums(M, K, sizes, recipe, transpose, backend, monkeypat
     want = torch.zeros(G, K, dtype=torch.float64)
     for g, r in enumerate(oracle.rows(sizes or [M], M)):
         want[g] = x[r.start : r.stop].cpu().double().sum(0)
-    launches = []
-    real = _ops.grouped_column_sums
+    from moegemm._src import plan
+    from moegemm._src.torch import launch_fp8 as _launch_fp8
+
+    launches, pairs = [], []
+    real, pair = _ops.grouped_column_sums, _launch_fp8.QUANTIZE_PAIR.launch
     monkeypatch.setattr(_ops, "grouped_column_sums", lambda *a: launches.append(a) or real(*a))
+    monkeypatch.setattr(_launch_fp8.QUANTIZE_PAIR, "launch", lambda *a: (pairs.append(a[0]), pair(*a)))
+    # rowwise takes the pair kernel only where groups are long (the long-groups case), on sm90 with a checked ptxas
+    takes_pair = (
+        backend == "triton"
+        and transpose
+        and M > 0
+        and K % 16 == 0
+        and _launch_fp8._quantize_pair(recipe, True, True, M >= plan.ROWWISE_PAIR_MIN_ROWS * G, x.device)
+    )
     plain = _ops.quantize_activation_views(x, gs, recipe, torch.float8_e4m3fn, transpose, backend)
     assert plain[4] is None and not launches
+    pairs.clear()
     for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 8e-3)):
         torch.full((64 << 20,), -1, dtype=torch.uint8, device=DEVICE)  # freed at once: NaN-poisoned storage
         launches.clear()
@@ -386,6 +399,8 @@ def test_quantize_column_sums(M, K, sizes, recipe, transpose, backend, monkeypat
         for name, a, b in zip(("data", "scale", "data_t", "scale_t"), got, plain):
             same = a is None or torch.equal(as_bytes(a.reshape(-1)), as_bytes(b.reshape(-1)))
             assert (a is None) == (b is None) and same, name
+        assert bool(pairs) == takes_pair, f"{recipe}: pair launches {len(pairs)}"
+        pairs.clear()
         fused = backend == "triton" and (recipe == "tensorwise" or (recipe == "rowwise" and transpose))
         # One group without a sizes tensor sums with torch.sum (no sizes made on the host).
         assert len(launches) == (0 if fused or sizes is None else 1), f"{recipe}: {len(launches)} launches"
@@ -436,7 +451,9 @@ def test_rowwise_maxima_pass(M, K, sizes, colsum):
     gs = None if uniform or sizes is None else torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
     st = torch.full((G, K), float("nan"), device=DEVICE)
     sums = torch.full((G, K), float("nan"), device=DEVICE) if colsum else None
-    torch.full((64 << 20,), -1, dtype=torch.uint8, device=DEVICE)  # freed at once: NaN-poisoned storage
+    # Freed at once: the maxima's buffers come from storage poisoned with 0x7f (3.4e38), which a stray read of
+    # an unwritten partial turns into a wrong scale (a NaN poison would vanish in the GPU's max).
+    torch.full((64 << 20,), 0x7F, dtype=torch.uint8, device=DEVICE)
     config, sms = _launch_fp8._quantize_config(x.device)
     bg = max(16, 1 << G.bit_length())
     sizes_arg = st if gs is None else gs  # an unread pointer for uniform groups, as the launcher passes

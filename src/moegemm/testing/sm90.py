@@ -118,7 +118,7 @@ def _quantize_pair(scaling: int = 1, warps: int = 16, x: str = "bf16", weight: b
     config = configs.pick_config("quantize_fp8", "sm90")
     meta = dict(
         CHUNKS=config.pair_chunks, BLOCK_G=64, HAS_SIZES=not weight, NUM_STAGES=config.pair_stages,
-        SCALING=scaling, T_GROUP_LOCAL=weight, FP8_MAX=448.0, WIDE_OFFSETS=False, AMAX_COLS=64, num_warps=warps,
+        SCALING=scaling, T_GROUP_LOCAL=weight, FP8_MAX=448.0, WIDE_OFFSETS=False, AMAX_COLS=128, num_warps=warps,
     )  # fmt: skip
     pointers = {
         "x_ptr": f"*{x}", "group_sizes_ptr": "*i32", "amax_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
@@ -566,6 +566,7 @@ KERNELS = {
     "quantize-pair-blockwise-8-warps": lambda: _quantize_pair(warps=8),
     "quantize-pair-tensorwise": lambda: _quantize_pair(0),
     "quantize-pair-rowwise": lambda: _quantize_pair(3),
+    "quantize-pair-rowwise-8-warps": lambda: _quantize_pair(3, 8),
     "quantize-pair-tensorwise-8-warps": lambda: _quantize_pair(0, 8),
     "quantize-pair-blockwise-fp32": lambda: _quantize_pair(x="fp32"),
     "quantize-pair-weight-blockwise": lambda: _quantize_pair(2, weight=True),
