@@ -557,7 +557,7 @@ def fp8_quantize_pair_kernel(
     T_GROUP_LOCAL: gl.constexpr,
     FP8_MAX: gl.constexpr,
     WIDE_OFFSETS: gl.constexpr,
-    AMAX_COLS: gl.constexpr = 1,  # ROWWISE: amax_ptr's rows (C's 128-wide tiles) a load takes, a power of two
+    AMAX_COLS: gl.constexpr = 1,  # ROWWISE: amax_ptr's rows (C's 128-wide tiles) or more, a power of two
 ):
     """x [R, C] in groups -> data q [R, C] and scale s, and data_t qt and scale_t st, from one read:
     ``fp8_quantize_tiles_kernel``'s two launches (WRITE_Q, then WRITE_T) in one, byte for byte; for ROWWISE,
@@ -628,25 +628,16 @@ def fp8_quantize_pair_kernel(
         s_base = s_ptr + (row0 + offs_r) * stride_sr
         st_base = st_ptr + (block_base + m_tile).to(gl.int64) * stride_stb
     elif SCALING == 3:
-        # The rows' scales from their maxima over every column tile (loads of 128 x AMAX_COLS, lanes along the
-        # rows: amax_ptr is [column tiles, R]), written by the first column segment's program; the tail slot's
-        # rows get 1 (x is 0 there).
+        # The rows' scales from their maxima over every column tile (one load of 128 x AMAX_COLS, lanes along
+        # the rows: amax_ptr is [column tiles, R]), written by the first column segment's program; the tail
+        # slot's rows get 1 (x is 0 there).
         a_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, gl.num_warps()], [0, 1])
         a_r = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, a_layout))
-        a_c = gl.arange(0, AMAX_COLS, layout=gl.SliceLayout(0, a_layout)).to(gl.int64)
-        a_rows = (a_r < gl.where(in_group, rows, 0))[:, None]
-        n_tiles = gl.cdiv(C, BLOCK)
-        row_amax = gl.zeros([BLOCK, AMAX_COLS], gl.float32, a_layout)
-        for j in range(0, n_tiles, AMAX_COLS):  # one pass where C <= 128 AMAX_COLS
-            tiles = a_c + j
-            row_amax = gl.maximum(
-                row_amax,
-                gl.load(
-                    amax_ptr + tiles[None, :] * stride_aj + (row0 + a_r)[:, None],
-                    mask=a_rows & (tiles < n_tiles)[None, :],
-                    other=0.0,
-                ),
-            )
+        a_c = gl.arange(0, AMAX_COLS, layout=gl.SliceLayout(0, a_layout))
+        a_mask = (a_r < gl.where(in_group, rows, 0))[:, None] & (a_c < gl.cdiv(C, BLOCK))[None, :]
+        row_amax = gl.load(
+            amax_ptr + a_c.to(gl.int64)[None, :] * stride_aj + (row0 + a_r)[:, None], mask=a_mask, other=0.0
+        )
         row_scale = _scale(gl.convert_layout(gl.max(row_amax, 1), gl.SliceLayout(1, layout)), FP8_MAX)
         if gl.program_id(1) == 0:
             gl.store(s_ptr + (row0 + offs_r) * stride_sr, row_scale, mask=row_mask)

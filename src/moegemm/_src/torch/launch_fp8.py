@@ -773,9 +773,9 @@ def _pair_grid(
             T_GROUP_LOCAL=t_local,
             FP8_MAX=fp8_max,
             WIDE_OFFSETS=wide,
-            # rowwise's maxima, loaded 128 x AMAX_COLS at a time: from 16 (the warps along them hold no copies) to
-            # 128 (more held 128 registers a thread and spilled under 16 warps, C > 32768)
-            AMAX_COLS=min(128, max(16, triton.next_power_of_2(amax_cols))),
+            # rowwise's maxima, one 128 x AMAX_COLS load (at least 32 columns: the checked form). Past C = 32768
+            # (AMAX_COLS 512) the 16-warp kernel spills 32 bytes (docs/design.md, 'Quantize').
+            AMAX_COLS=max(32, triton.next_power_of_2(amax_cols)),
             num_warps=config.pair_warps,
         ),
     )
