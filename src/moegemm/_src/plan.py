@@ -744,8 +744,8 @@ PAIR_QUANTIZE_PTXAS: frozenset[str] = frozenset({"12.8", "13.0", "13.4"})  # tri
 
 
 # Mean rows a group from which rowwise takes the pair kernel: its maxima pass reads 256-row tiles. H100, 2026-11-28
-# (journal 49): dsv3-ep8-fc1's dy (1024 rows a group) quantized in 0.46 ms against 0.56 with the rows and columns
-# launches; qwen3-30b-fc1's (128) made the step 1.082 ms against 1.060.
+# (docs/design.md, 'Quantize'): dsv3-ep8-fc1's dy (1024 rows a group) quantized in 0.43 ms against 0.56 with the
+# rows and columns launches; qwen3-30b-fc1's (128) made the step 1.082 ms against 1.060.
 ROWWISE_PAIR_MIN_ROWS = 256
 
 

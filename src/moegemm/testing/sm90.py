@@ -561,7 +561,7 @@ KERNELS = {
     "k_grouped_fp8_ws-tensorwise-bf16": lambda: _k_grouped_fp8_ws(False, "bf16", "tensorwise"),
     "k_grouped_fp8_ws-tensorwise": lambda: _k_grouped_fp8_ws(True, "fp32", "tensorwise"),
     "k_grouped_fp8_ws-device-desc": lambda: _k_grouped_fp8_ws(False, "bf16", "tensorwise", True),
-    # The one-read quantize: blockwise and tensorwise activations at both warp counts, an fp32 input, a weight.
+    # The one-read quantize: every recipe's activations at both warp counts, an fp32 input, a weight.
     "quantize-pair-blockwise": _quantize_pair,
     "quantize-pair-blockwise-8-warps": lambda: _quantize_pair(warps=8),
     "quantize-pair-tensorwise": lambda: _quantize_pair(0),
