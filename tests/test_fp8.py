@@ -705,8 +705,8 @@ class TestGemm(GemmTest):
 
 
 def ws_spy(monkeypatch, launch_name: str, config=None) -> list:
-    """Skips without Gluon on an sm90 GPU. Else returns the list that records the spec of every launch
-    through ``_launch_fp8.<launch_name>`` (a warp-specialized kernel), with ``config`` forced for both
+    """Skips without Gluon on an sm90 GPU. Else returns the list that records the meta-parameters of every
+    launch through ``_launch_fp8.<launch_name>`` (a warp-specialized kernel), with ``config`` forced for both
     warp-specialized kernels if given (launch caches cleared; callers clear them again after)."""
     from moegemm._src.torch import launch as _launch
     from moegemm._src.torch import launch_fp8 as _launch_fp8
@@ -722,7 +722,7 @@ def ws_spy(monkeypatch, launch_name: str, config=None) -> list:
         _launch_fp8.clear_launch_cache()
     direct = getattr(_launch_fp8, launch_name)
     calls, launch = [], direct.launch
-    monkeypatch.setattr(direct, "launch", lambda *a: (calls.append(a[0]), launch(*a)))
+    monkeypatch.setattr(direct, "launch", lambda *a: (calls.append(a[3]().launch.meta), launch(*a)))
     return calls
 
 
@@ -742,23 +742,32 @@ def ws_spy(monkeypatch, launch_name: str, config=None) -> list:
 )
 def test_m_grouped_fp8_warp_specialized(recipe, block_n, M, K, N, sizes, monkeypatch):
     """The warp-specialized Gluon kernel (promoted mode on sm90, TMA loader), each tile width: fprop with bias
-    (fp32 out) and dgrad (bf16 out) against the fp64 oracle, rows past the groups exactly 0 (a tile's rows past
-    its group load the next group's: the store drops them); a spy makes sure it is that kernel that ran."""
+    (fp32 out: register stores; bf16 out: staging tiles, TMA stores where a consumer's 64 rows are in the
+    group, masked row stores where they cross its end, or for every part with blockwise) and dgrad (bf16 out)
+    against the fp64 oracle, into NaN-poisoned storage, rows past the groups exactly 0 (a tile's rows past its
+    group load the next group's: the store drops them); a spy makes sure it is that kernel that ran, with the
+    store the plan gives each out."""
     from moegemm._src import configs
+    from moegemm._src.kernels import m_grouped_fp8_ws as ws
     from moegemm._src.torch import launch_fp8 as _launch_fp8
 
     calls = ws_spy(
         monkeypatch, "M_GROUPED_FP8_WS", configs.candidates("m_grouped_fp8_ws", "sm90")[block_n == 128]
     )
+    poison = lambda: torch.full((64 << 20,), -1, dtype=torch.uint8, device=DEVICE)  # noqa: E731
     try:
         gs, x_q, w_q, dy_q = GemmTest().operands(recipe, M, K, N, sizes, seed=block_n)
         b = (torch.randn(len(sizes), N) + 3).to(DEVICE)
-        out = m_grouped_mm(x_q, w_q, gs, bias=b, out_dtype=torch.float32)
         xd, wd, dyd = (t.dequantize(torch.float64).cpu() for t in (x_q, w_q, dy_q))
-        want = oracle.m_grouped_mm(xd, wd.mT, sizes, b.double().cpu())
-        assert relerr(out.cpu(), torch.from_numpy(want)) <= GEMM_TOL, f"fprop {recipe} {sizes}"
+        want = torch.from_numpy(oracle.m_grouped_mm(xd, wd.mT, sizes, b.double().cpu()))
         owned = sum(sizes)
-        assert (out[owned:] == 0).all(), "rows past the last group must be 0"
+        for out_dtype, tol in ((torch.float32, GEMM_TOL), (torch.bfloat16, 4e-3)):  # 4e-3: bf16 rounding
+            poison()  # freed at once: the out allocated next is NaN-poisoned
+            out = m_grouped_mm(x_q, w_q, gs, bias=b, out_dtype=out_dtype)
+            assert relerr(out.float().cpu(), want) <= tol, f"fprop {recipe} {sizes} {out_dtype}"
+            assert not torch.isnan(out).any(), "an element left unwritten"
+            assert (out[owned:] == 0).all(), "rows past the last group must be 0"
+        poison()
         dx = m_grouped_mm(dy_q, w_q.t(), gs, out_dtype=torch.bfloat16)
         want = oracle.m_grouped_mm(dyd, w_q.t().dequantize(torch.float64).cpu().mT, sizes)
         assert relerr(dx.float().cpu(), torch.from_numpy(want)) <= 4e-3, f"dgrad {recipe} {sizes}"  # bf16 out
@@ -766,7 +775,12 @@ def test_m_grouped_fp8_warp_specialized(recipe, block_n, M, K, N, sizes, monkeyp
     finally:
         _launch_fp8.clear_launch_cache()
     # It takes contractions in 16-byte chunks: fprop's K, dgrad's N (the Triton kernel runs the rest).
-    assert len(calls) == (K % 16 == 0) + (N % 16 == 0), "the warp-specialized kernel ran where it applies"
+    assert len(calls) == 2 * (K % 16 == 0) + (N % 16 == 0), "the warp-specialized kernel ran where it applies"
+    # fp32 out: register stores; bf16 out: staging tiles, by TMA where out [M, n] has 16-byte rows (not
+    # blockwise: rows).
+    staged = lambda n: ws.STORE_TMA if recipe != "blockwise" and n % 8 == 0 else ws.STORE_ROWS  # noqa: E731
+    want = [ws.STORE_REGISTERS, staged(N)] * (K % 16 == 0) + [staged(K)] * (N % 16 == 0)
+    assert [meta["STORE"] for meta in calls] == want
 
 
 @pytest.mark.gpu
@@ -782,11 +796,19 @@ def test_m_grouped_fp8_warp_specialized_clamps_bad_sizes(name, M, sizes, recipe,
     for backend in ("triton", "reference"):
         x_q = quantize_fp8(x, recipe, group_sizes=gs, backend=backend)
         w_q = quantize_fp8(w, recipe, backend=backend)
-        results.append(m_grouped_mm(x_q, w_q, gs, out_dtype=torch.float32, backend=backend).cpu())
-    out, want = results
-    assert calls, "the warp-specialized kernel did not run"
-    assert torch.isfinite(out).all(), f"{name}: unwritten or garbage elements"
-    assert relerr(out, want) <= GEMM_TOL, name
+        for out_dtype in (torch.float32, torch.bfloat16):  # register stores; staging tiles and TMA
+            torch.full(
+                (64 << 20,), -1, dtype=torch.uint8, device=DEVICE
+            )  # freed at once: NaN-poisoned storage
+            results.append(m_grouped_mm(x_q, w_q, gs, out_dtype=out_dtype, backend=backend).float().cpu())
+    out, out_bf16, want, want_bf16 = results
+    from moegemm._src.kernels import m_grouped_fp8_ws as ws
+
+    staged = ws.STORE_ROWS if recipe == "blockwise" else ws.STORE_TMA
+    assert [meta["STORE"] for meta in calls] == [ws.STORE_REGISTERS, staged], "the kernel, both stores"
+    for got, ref, tol in ((out, want, GEMM_TOL), (out_bf16, want_bf16, 4e-3)):
+        assert torch.isfinite(got).all(), f"{name}: unwritten or garbage elements"
+        assert relerr(got, ref) <= tol, name
 
 
 @pytest.mark.parametrize("case", shapes.SUITE, ids=[c.name for c in shapes.SUITE])

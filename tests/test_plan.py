@@ -151,6 +151,39 @@ def test_fp8_ws_rule(op):
     assert plan.plan(fast, SM90, TORCH).kernel == triton_kernel
 
 
+@needs_gluon
+@pytest.mark.parametrize("K", [7168, 2048], ids=["wide-tile", "narrow-tile"])
+def test_fp8_ws_store_rule(K):
+    """The m-grouped FP8 kernel's epilogue store (``plan.fp8_ws_store``), in PyTorch and JAX: a 2-byte out goes
+    through the staging tiles where they fit beside the config's ring (each table config), by TMA where out
+    takes a descriptor and tma_store is on, except blockwise (rows); an fp32 out or a ring too deep for the
+    staging tiles keeps the register stores."""
+    from moegemm._src.kernels import m_grouped_fp8_ws as ws
+
+    M, N, G = 8 * 4096, 4096, 8
+    facts = dict(ws_layout=True, row_strides=(K, K), out_itemsize=2, tma_store_layout=True)
+    problem = plan.Problem(
+        plan.M_GROUPED, M, N, K, G, "float8_e4m3fn", max_stride=M, recipe="rowwise", **facts
+    )
+    blockwise = dataclasses.replace(problem, recipe="blockwise")
+    for caps in (TORCH, plan.JAX_GPU):
+        for p, store in ((problem, ws.STORE_TMA), (blockwise, ws.STORE_ROWS)):
+            chosen = plan.plan(p, SM90, caps)
+            assert chosen.kernel == "m_grouped_fp8_ws" and chosen.meta["STORE"] == store, (caps, p.recipe)
+    for other, constraints, store in (
+        (dataclasses.replace(problem, out_itemsize=4), plan.NONE, ws.STORE_REGISTERS),
+        (dataclasses.replace(blockwise, out_itemsize=4), plan.NONE, ws.STORE_REGISTERS),
+        (dataclasses.replace(problem, tma_store_layout=False), plan.NONE, ws.STORE_ROWS),
+        (problem, plan.Constraints(tma_store=False), ws.STORE_ROWS),
+    ):
+        chosen = plan.plan(other, SM90, TORCH, constraints)
+        assert chosen.kernel == "m_grouped_fp8_ws" and chosen.meta["STORE"] == store, (other, constraints)
+    config = plan.plan(problem, SM90, TORCH).config
+    deep = dataclasses.replace(config, num_stages=config.num_stages + 1)  # the ring alone fills shared memory
+    forced = plan.Constraints(config=lambda op, p, t, picked: deep if op == "m_grouped_fp8_ws" else picked)
+    assert plan.plan(problem, SM90, TORCH, forced).meta["STORE"] == ws.STORE_REGISTERS
+
+
 def test_half_tiles_need_aligned_rows_and_constraints():
     """Mixed heights and the split tail where the rows are 16-element aligned and no constraint turns them off;
     the flat loop (short K with TMA loads) runs every tile full height."""

@@ -68,6 +68,7 @@ from moegemm._src.kernels.k_grouped import KGroupedLaunch
 from moegemm._src.kernels.k_grouped_fp8 import KGroupedFp8Launch
 from moegemm._src.kernels.m_grouped import MGroupedLaunch
 from moegemm._src.kernels.m_grouped_fp8 import MGroupedFp8Launch
+from moegemm._src.kernels.schedule import sm90_shared_fits
 
 # ---------------------------------------------------------------- environment switches
 
@@ -570,6 +571,18 @@ def _plan_fp8(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> Plan
     return Plan(op, Schedule(), config, launch)
 
 
+def fp8_ws_store(p: Problem, config, c: Constraints = NONE) -> int:
+    """The m-grouped FP8 kernel's epilogue store (``m_grouped_fp8_ws.STORE_*``): through the staging tiles where
+    out is 2-byte and they fit beside the config's ring, by TMA where out takes a descriptor, except blockwise,
+    whose staging tiles store rows (docs/design.md, 'Warp-specialized FP8 kernels', has the A/B)."""
+    staged = m_grouped_fp8_ws.shared_bytes(config.block_n, config.num_stages, m_grouped_fp8_ws.STORE_ROWS)
+    if p.out_itemsize != 2 or not sm90_shared_fits(staged, 1):
+        return m_grouped_fp8_ws.STORE_REGISTERS
+    if p.recipe != "blockwise" and c.on("tma_store") and p.tma_store_layout:
+        return m_grouped_fp8_ws.STORE_TMA
+    return m_grouped_fp8_ws.STORE_ROWS
+
+
 def _plan_fp8_ws(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> Plan | None:
     """The warp-specialized FP8 kernels, or None where the Triton kernel runs: fast accumulation, a layout
     TMA cannot read (``ws_layout``: K-contiguous operands, or token-contiguous transposed copies,
@@ -608,6 +621,7 @@ def _plan_fp8_ws(p: Problem, t: Target, caps: Capabilities, c: Constraints) -> P
             config=config,
             num_programs_cap=t.programs,
             has_bias=p.has_bias,
+            store=fp8_ws_store(p, config, c),
         )
         return Plan("m_grouped_fp8_ws", Schedule(), config, launch)
     # The wgrad's epilogue stores through out's descriptor: the front end's, or one it makes in the global scratch

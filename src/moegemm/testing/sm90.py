@@ -76,10 +76,20 @@ def _desc(t, block):
     return triton.runtime.jit.mangle_type(TensorDescriptor(t, [16, 16], [16, 1], block, layout))
 
 
-def _m_grouped_fp8_ws():
-    config = configs.candidates("m_grouped_fp8_ws", "sm90")[0]
+def _m_grouped_fp8_ws(store: int = 0, narrow: bool = False):
+    """The m-grouped FP8 kernel at dsv3-ep8-fc1's sizes, blockwise with bias: the 256-wide table config (or the
+    128-wide one), with the epilogue's store (m_grouped_fp8_ws.STORE_*) for a bf16 out."""
+    config = configs.candidates("m_grouped_fp8_ws", "sm90")[int(narrow)]
     launch = m_grouped_fp8_ws.MGroupedFp8WsLaunch.make(
-        M, N, K, G, recipe="blockwise", config=config, num_programs_cap=132, has_bias=True
+        M,
+        N,
+        K,
+        G,
+        recipe="blockwise",
+        config=config,
+        num_programs_cap=132,
+        has_bias=True,
+        store=store,
     )
     pointers = {
         "x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "sx_ptr": "*fp32", "sw_ptr": "*fp32", "group_sizes_ptr": "*i32",
@@ -553,6 +563,9 @@ KERNELS = {
         {"R": 65536},
     ),
     "m_grouped_fp8_ws": _m_grouped_fp8_ws,
+    "m_grouped_fp8_ws-store-rows": lambda: _m_grouped_fp8_ws(m_grouped_fp8_ws.STORE_ROWS),
+    "m_grouped_fp8_ws-store-tma": lambda: _m_grouped_fp8_ws(m_grouped_fp8_ws.STORE_TMA),
+    "m_grouped_fp8_ws-store-tma-128": lambda: _m_grouped_fp8_ws(m_grouped_fp8_ws.STORE_TMA, True),
     "k_grouped_ws": _k_grouped_ws,
     "k_grouped_ws-3-slots": lambda: _k_grouped_ws(3),
     "k_grouped_fp8_ws": _k_grouped_fp8_ws,

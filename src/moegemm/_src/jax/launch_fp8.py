@@ -309,6 +309,8 @@ def m_grouped_mm_fp8_call(
         # The warp-specialized kernel's TMA reads x [M, K] and w [G * N, kw] (groups back to back): 16-byte rows.
         ws_layout=K % 16 == 0 and kw % 16 == 0,
         row_strides=(K, kw),
+        out_itemsize=jnp.dtype(out_dtype).itemsize,
+        tma_store_layout=(N * jnp.dtype(out_dtype).itemsize) % 16 == 0,  # XLA's buffers are 16-byte aligned
     )
     launch = plan.plan(problem, target, capabilities(target))
     if recipe == "tensorwise":

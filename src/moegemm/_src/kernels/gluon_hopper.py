@@ -93,6 +93,7 @@ __all__ = [
     "release_slot",
     "ring_barriers",
     "sched_layout",
+    "stage_out",
     "supported",
     "thread_barrier",
     "tma",
@@ -201,6 +202,20 @@ def drain_copies(ready, first_step, end_step, step):
     NUM_STAGES: gl.constexpr = ready.shape[0]
     for j in range(gl.maximum(first_step, step - NUM_STAGES), end_step):
         mbarrier.wait(ready.index(j % NUM_STAGES), (j // NUM_STAGES) & 1)
+
+
+@gluon.jit
+def stage_out(acc, out_desc, c_smem, row, col, REDUCE: gl.constexpr):
+    """acc through a staging tile (free: its last store has read it) to out_desc's tensor at (row, col) by one TMA
+    store, or reduce-add (REDUCE; ``cp.reduce.async.bulk.tensor``). The caller waits for the copy
+    (``tma.store_wait``) before it writes the tile again."""
+    c_smem.store(acc.to(c_smem.dtype))
+    fence_async_shared()
+    thread_barrier()  # every thread's part is in shared memory before the one issuing thread copies
+    if REDUCE:
+        tma_reduce_add(out_desc, [row, col], c_smem)
+    else:
+        tma_store(out_desc, [row, col], c_smem)
 
 
 @gluon.jit

@@ -51,7 +51,6 @@ from moegemm._src.kernels.gluon_hopper import (
     TensorDescriptor,
     acquire_slot_tx,
     drain_copies,
-    fence_async_shared,
     gl,
     gluon,
     mbarrier,
@@ -59,12 +58,11 @@ from moegemm._src.kernels.gluon_hopper import (
     release_slot,
     ring_barriers,
     sched_layout,
+    stage_out,
     supported,
     thread_barrier,
     tma,
     tma_load,
-    tma_reduce_add,
-    tma_store,
     wait_slot,
     warp_specialize_ring,
     warpgroup_mma,
@@ -355,7 +353,7 @@ def _epilogue(
             mbarrier.wait(c_bar, (fills - 1) & 1)
             acc += c_smem.load(acc.type.layout)
             thread_barrier()  # every thread read its part before any overwrites the tile
-            _stage_out(acc, out_desc, c_smem, g * K + k0, n0, False)
+            stage_out(acc, out_desc, c_smem, g * K + k0, n0, False)
         elif rows > 0:
             _store(acc, out_desc, out_ptr, c_smem, g, k0, n0, K, N, offs_k, offs_n, k_mask, n_mask, True)
     else:
@@ -373,7 +371,7 @@ def _store(
         # staging tile per consumer, in flight beside it, measured no faster: docs/design.md, 'The FP8 wgrad').
         tma.store_wait(0)
         thread_barrier()  # (the issuing thread waited; every thread writes the tile)
-        _stage_out(acc, out_desc, c_smem, g * K + k0, n0, ACCUMULATE)
+        stage_out(acc, out_desc, c_smem, g * K + k0, n0, ACCUMULATE)
     elif k0 < K:
         # int32 offsets inside out[g] (supported_problem bounds its span); out is contiguous.
         offsets = ((k0 + offs_k) * N)[:, None] + (n0 + offs_n)[None, :]
@@ -382,19 +380,6 @@ def _store(
         if ACCUMULATE:
             acc += gl.load(ptrs, mask=mask, other=0.0).to(gl.float32)
         gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@gluon.jit
-def _stage_out(acc, out_desc, c_smem, row, col, REDUCE: gl.constexpr):
-    """acc through the staging tile (free: its last store has read it) to out viewed [G * Ka, Nb] at (row, col) by
-    one TMA store, or reduce-add (REDUCE)."""
-    c_smem.store(acc.to(c_smem.dtype))
-    fence_async_shared()
-    thread_barrier()  # every thread's part is in shared memory before the one issuing thread copies
-    if REDUCE:
-        tma_reduce_add(out_desc, [row, col], c_smem)
-    else:
-        tma_store(out_desc, [row, col], c_smem)
 
 
 @gluon.jit

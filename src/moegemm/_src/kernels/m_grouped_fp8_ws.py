@@ -21,12 +21,22 @@ The ring, its protocol, the partitions and the consumers' K loop are ``gluon_hop
   kernels').
 - ``_step``: one K step of a consumer: wgmma, the blockwise scales read from global memory under it (with
   TMA filling the ring no proxy fence waits on those loads), the promotion.
-- ``_epilogue``: tensor/row scales, bias, the masked store straight from the wgmma registers.
+- ``_epilogue``: tensor/row scales, bias, then the store (STORE; docs/design.md, 'Warp-specialized FP8
+  kernels', says what each measured):
+  - STORE_TMA (a 2-byte out whose rows take a descriptor): each consumer's 64 x 128 part goes through its
+    staging tile, by one TMA store where all 64 rows are in the tile's group, which drains while the consumer
+    starts the next tile; a part crossing its group's end as STORE_ROWS does.
+  - STORE_ROWS (a 2-byte out): the part goes through the staging tile and back into rows of 16-byte runs,
+    stored under the row mask.
+  - STORE_REGISTERS: the masked store straight from the wgmma registers, 4 bytes a thread and 8 rows a warp
+    instruction; on dsv3-ep8-fc1 that epilogue held the tensor cores idle for 7-17% of fwd/dgrad.
 Every partition walks the same persistent tile sequence (``moegemm._src.kernels.schedule``), computed from
 group_sizes by each (workers take no tensors), so the ring's slot and phase agree without messages.
 
 Supported: K a multiple of 16 (16-byte TMA rows), w's groups back to back (``stride_wg == N * stride_wn``), no
-group offset. ``supported_problem`` says so; the launcher runs the Triton kernel otherwise.
+group offset. ``supported_problem`` says so; the launcher runs the Triton kernel otherwise. Why a group's rows
+never go through TMA past its end: a box is clipped only at the tensor's bounds, and the rows after a group's
+end are the next group's, which another program writes.
 """
 
 from __future__ import annotations
@@ -45,7 +55,9 @@ from moegemm._src.kernels.gluon_hopper import (
     operand_ring,
     promoted_mainloop,
     ring_barriers,
+    stage_out,
     supported,
+    thread_barrier,
     tma,
     tma_load,
     warp_specialize_ring,
@@ -56,7 +68,24 @@ from moegemm._src.kernels.gluon_hopper import (
 from moegemm._src.kernels.schedule import locate_row_tile
 
 SCALINGS = {"tensorwise": 0, "rowwise": 1, "blockwise": 2}
-__all__ = ["LOADER_WARPS", "MAXNREG", "SCALINGS", "MGroupedFp8WsLaunch", "supported", "supported_problem"]
+__all__ = [
+    "LOADER_WARPS",
+    "MAXNREG",
+    "SCALINGS",
+    "STAGE_COLS",
+    "STORE_REGISTERS",
+    "STORE_ROWS",
+    "STORE_TMA",
+    "MGroupedFp8WsLaunch",
+    "shared_bytes",
+    "supported",
+    "supported_problem",
+]
+
+STAGE_COLS = 128  # a consumer's staging tile: 64 rows x 128 columns of out (one column part)
+# The epilogue's store (the kernel's STORE): from the wgmma registers, through the staging tiles into rows, or
+# through them by TMA where a part's rows are all in its group.
+STORE_REGISTERS, STORE_ROWS, STORE_TMA = 0, 1, 2
 
 
 def supported_problem(K: int, has_group_offset: bool, row_stride: int, M: int = 0, w_rows: int = 0) -> bool:
@@ -106,9 +135,11 @@ def _consumer(
     sw_ptr,
     bias_ptr,
     out_ptr,
+    out_desc,
     group_sizes_ptr,
     a_bufs,
     b_bufs,
+    c_bufs,
     ready,
     empty,
     M,
@@ -134,6 +165,7 @@ def _consumer(
     HAS_BIAS: gl.constexpr,
     SCALING: gl.constexpr,
     SCALE_BLOCK: gl.constexpr,
+    STORE: gl.constexpr,
     HALF: gl.constexpr,
 ):
     """Rows [HALF * BLOCK_M / 2, (HALF + 1) * BLOCK_M / 2) of every tile: ``promoted_mainloop`` with ``_step``,
@@ -165,15 +197,17 @@ def _consumer(
              stride_swk, offs_n, BLOCK_K, SCALING, SCALE_BLOCK),
             k_steps, step, partial, a_bufs, b_bufs, ready, empty, HALF,
         )  # fmt: skip
+        c_smem = c_bufs.index(HALF)
         _epilogue(
-            acc0, out_ptr, sx_ptr, sw_ptr, bias_ptr, g, g_w, G, rows_g, rows, col0, N, stride_om, stride_on,
-            stride_bg, stride_bn, stride_sxg, stride_sxm, stride_swg, stride_swn, offs_m, offs_n, SCALING, HAS_BIAS,
+            acc0, out_ptr, out_desc, c_smem, sx_ptr, sw_ptr, bias_ptr, g, g_w, G, row0, rows_g, rows, col0, N,
+            stride_om, stride_on, stride_bg, stride_bn, stride_sxg, stride_sxm, stride_swg, stride_swn, offs_m,
+            offs_n, SCALING, HAS_BIAS, STORE,
         )  # fmt: skip
         if BLOCK_N > SUB_N:
             _epilogue(
-                acc1, out_ptr, sx_ptr, sw_ptr, bias_ptr, g, g_w, G, rows_g, rows, col0 + SUB_N, N, stride_om,
-                stride_on, stride_bg, stride_bn, stride_sxg, stride_sxm, stride_swg, stride_swn, offs_m, offs_n,
-                SCALING, HAS_BIAS,
+                acc1, out_ptr, out_desc, c_smem, sx_ptr, sw_ptr, bias_ptr, g, g_w, G, row0, rows_g, rows,
+                col0 + SUB_N, N, stride_om, stride_on, stride_bg, stride_bn, stride_sxg, stride_sxm, stride_swg,
+                stride_swn, offs_m, offs_n, SCALING, HAS_BIAS, STORE,
             )  # fmt: skip
 
 
@@ -215,11 +249,12 @@ def _step(
 
 @gluon.jit
 def _epilogue(
-    acc, out_ptr, sx_ptr, sw_ptr, bias_ptr, g, g_w, G, rows_g, rows, col0, N, stride_om, stride_on, stride_bg,
-    stride_bn, stride_sxg, stride_sxm, stride_swg, stride_swn, offs_m, offs_n, SCALING: gl.constexpr,
-    HAS_BIAS: gl.constexpr,
+    acc, out_ptr, out_desc, c_smem, sx_ptr, sw_ptr, bias_ptr, g, g_w, G, row0, rows_g, rows, col0, N, stride_om,
+    stride_on, stride_bg, stride_bn, stride_sxg, stride_sxm, stride_swg, stride_swn, offs_m, offs_n,
+    SCALING: gl.constexpr, HAS_BIAS: gl.constexpr, STORE: gl.constexpr,
 ):  # fmt: skip
-    """Tensor/row scales, bias and the masked store of columns [col0, col0 + SUB_N) of a finished tile."""
+    """Tensor/row scales, bias and the store of columns [col0, col0 + SUB_N) of this consumer's rows [row0,
+    row0 + rows) of a finished tile (rows may exceed SUB_M, or be <= 0: none)."""
     row_mask = offs_m < rows
     col_mask = offs_n < N - col0
     if SCALING == 0:
@@ -234,8 +269,39 @@ def _epilogue(
             bias_ptr + g_w * stride_bg + (col0 + offs_n) * stride_bn, mask=offs_n < bias_cols, other=0.0
         )
         acc += bias.to(gl.float32)[None, :]
-    out_offs = (rows_g * stride_om)[:, None] + ((col0 + offs_n) * stride_on)[None, :]
-    gl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    out = acc.to(out_ptr.dtype.element_ty)
+    if STORE != 0:  # STORE_ROWS, STORE_TMA
+        SUB_M: gl.constexpr = acc.shape[0]
+        if STORE == 2:
+            # This consumer's previous store has read the staging tile (the issuing thread waits; every thread
+            # writes the tile after the barrier).
+            tma.store_wait(0)
+        thread_barrier()  # (and every thread read its rows of the staging tile's last use)
+        if STORE == 2 and rows >= SUB_M:
+            stage_out(out, out_desc, c_smem, row0, col0, False)
+        elif rows > 0:
+            # The part crosses its group's end: through the staging tile into rows of 16-byte runs, stored
+            # under the row mask (a TMA box would write the next group's rows).
+            c_smem.store(out)
+            thread_barrier()
+            layout: gl.constexpr = _row_store_layout(SUB_M, c_smem.shape[1], out_ptr.dtype.element_ty)
+            om = gl.arange(0, SUB_M, layout=gl.SliceLayout(1, layout))
+            on = gl.arange(0, c_smem.shape[1], layout=gl.SliceLayout(0, layout))
+            offs = ((row0 + om).to(gl.int64) * stride_om)[:, None] + ((col0 + on) * stride_on)[None, :]
+            mask = (om < rows)[:, None] & (on < N - col0)[None, :]
+            gl.store(out_ptr + offs, c_smem.load(layout), mask=mask)
+    else:
+        out_offs = (rows_g * stride_om)[:, None] + ((col0 + offs_n) * stride_on)[None, :]
+        gl.store(out_ptr + out_offs, out, mask=row_mask[:, None] & col_mask[None, :])
+
+
+@gluon.constexpr_function
+def _row_store_layout(rows, cols, dtype):
+    """A [rows, cols] tile of a consumer warpgroup in 16-byte runs along its rows (a warp's store covers whole
+    rows)."""
+    vec = 16 // (dtype.primitive_bitwidth // 8)
+    threads_n = min(32, cols // vec)
+    return gl.BlockedLayout([1, vec], [32 // threads_n, threads_n], [4, 1], [1, 0])
 
 
 @gluon.jit
@@ -274,6 +340,7 @@ def m_grouped_mm_fp8_ws_kernel(
     SCALE_BLOCK: gl.constexpr,  # 128
     NUM_STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,  # setmaxnreg of each consumer warpgroup; the loader gets the rest
+    STORE: gl.constexpr,  # STORE_REGISTERS, STORE_ROWS (staging tiles: a 2-byte out), STORE_TMA (and a descriptor)
 ):
     gl.static_assert(BLOCK_M == 128, "two consumer warpgroups of 64 rows")
     gl.static_assert(
@@ -282,6 +349,22 @@ def m_grouped_mm_fp8_ws_kernel(
     a_bufs = operand_ring(x_ptr.dtype.element_ty, NUM_STAGES, BLOCK_M, BLOCK_K)
     b_bufs = operand_ring(w_ptr.dtype.element_ty, NUM_STAGES, BLOCK_N, BLOCK_K)
     ready, empty = ring_barriers(NUM_STAGES)
+    STAGE_N: gl.constexpr = 128  # STAGE_COLS (a module global, which a kernel cannot read)
+    out_dtype: gl.constexpr = out_ptr.dtype.element_ty
+    out_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, STAGE_N], out_dtype)
+    if STORE != 0:
+        c_bufs = gl.allocate_shared_memory(
+            out_dtype, [2, BLOCK_M // 2, STAGE_N], out_layout
+        )  # one a consumer
+    else:
+        c_bufs = gl.allocate_shared_memory(out_dtype, [2, 1, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    if STORE == 2:
+        # In Triton's global scratch, as the loader's: made once a program.
+        out_desc = tma.make_tensor_descriptor(
+            out_ptr, [M, N], [stride_om, 1], [BLOCK_M // 2, STAGE_N], out_layout
+        )
+    else:
+        out_desc = out_ptr  # unread
     warp_specialize_ring(
         _loader,
         (
@@ -290,9 +373,10 @@ def m_grouped_mm_fp8_ws_kernel(
         ),
         _consumer,
         (
-            sx_ptr, sw_ptr, bias_ptr, out_ptr, group_sizes_ptr, a_bufs, b_bufs, ready, empty, M, N, K, G,
-            stride_om, stride_on, stride_bg, stride_bn, stride_sxg, stride_sxm, stride_sxk, stride_swg, stride_swn,
-            stride_swk, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, BLOCK_G, HAS_BIAS, SCALING, SCALE_BLOCK,
+            sx_ptr, sw_ptr, bias_ptr, out_ptr, out_desc, group_sizes_ptr, a_bufs, b_bufs, c_bufs, ready, empty, M,
+            N, K, G, stride_om, stride_on, stride_bg, stride_bn, stride_sxg, stride_sxm, stride_sxk, stride_swg,
+            stride_swn, stride_swk, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, BLOCK_G, HAS_BIAS, SCALING,
+            SCALE_BLOCK, STORE,
         ),
         CONSUMER_REGS,
     )  # fmt: skip
@@ -306,9 +390,21 @@ class MGroupedFp8WsLaunch:
     meta: dict
 
     @staticmethod
-    def make(M: int, N: int, K: int, G: int, *, recipe: str, config, num_programs_cap: int, has_bias: bool):
+    def make(
+        M: int,
+        N: int,
+        K: int,
+        G: int,
+        *,
+        recipe: str,
+        config,
+        num_programs_cap: int,
+        has_bias: bool,
+        store: int = STORE_REGISTERS,
+    ):
         """config: ``configs.Fp8WsConfig``; num_programs_cap: the SM count (one CTA per SM:
-        the ring takes most of shared memory)."""
+        the ring takes most of shared memory); store: the epilogue's STORE_* (STORE_ROWS needs a 2-byte out,
+        STORE_TMA one with a 16-byte aligned base and row stride, column stride 1)."""
         bm, bn, bk = 128, config.block_n, 128
         max_tiles = (triton.cdiv(M, bm) + G + 1) * triton.cdiv(N, bn)
         num_programs = max(1, min(max_tiles, num_programs_cap))
@@ -324,7 +420,13 @@ class MGroupedFp8WsLaunch:
             SCALE_BLOCK=128,
             NUM_STAGES=config.num_stages,
             CONSUMER_REGS=config.consumer_regs,
+            STORE=store,
             num_warps=LOADER_WARPS,
             maxnreg=MAXNREG,
         )
         return MGroupedFp8WsLaunch(grid=(num_programs,), meta=meta)
+
+
+def shared_bytes(block_n: int, num_stages: int, store: int, out_itemsize: int = 2) -> int:
+    """The ring (FP8 x and w tiles a slot) and, for a staged store, the consumers' two staging tiles."""
+    return num_stages * 128 * (128 + block_n) + (2 * 64 * STAGE_COLS * out_itemsize if store else 0)

@@ -103,14 +103,19 @@ def _m_problem(M, N, K, G, recipe, dtype, max_stride, fast_accum, **facts) -> pl
     )
 
 
+def _tma_store_layout(out: torch.Tensor) -> bool:
+    """Whether out [M, N] takes a TMA descriptor: N contiguous, the row stride and the base 16-byte aligned."""
+    return out.stride(1) == 1 and (out.stride(0) * out.element_size()) % 16 == 0 and out.data_ptr() % 16 == 0
+
+
 @functools.lru_cache(maxsize=4096)
 def _m_ws_launch(
-    M, N, K, G, recipe, dtype, device, max_stride, has_bias, fast_accum, x_strides, w_strides
+    M, N, K, G, recipe, dtype, device, max_stride, has_bias, fast_accum, x_strides, w_strides, out_facts
 ) -> plan.Plan | None:
     """The warp-specialized plan, or None where the plan keeps the Triton kernel. The layout facts it needs:
     K-contiguous operands with 16-byte aligned row strides (TMA; fp8 storage pads rows to 16, a foreign view
-    may not), w's groups back to back (its loader views w as [G * N, K]). Static facts only, so it is decided
-    once per shape."""
+    may not), w's groups back to back (its loader views w as [G * N, K]). out_facts (out's element size,
+    whether it takes a TMA descriptor) choose its epilogue's store. Decided once per shape and facts."""
     ws_layout = (
         x_strides[1] == 1
         and w_strides[2] == 1
@@ -120,9 +125,10 @@ def _m_ws_launch(
     )
     if not ws_layout:
         return None
+    out_itemsize, tma_store_layout = out_facts
     problem = _m_problem(
         M, N, K, G, recipe, dtype, max_stride, fast_accum, has_bias=has_bias, ws_layout=True,
-        row_strides=(x_strides[0], w_strides[1]),
+        row_strides=(x_strides[0], w_strides[1]), out_itemsize=out_itemsize, tma_store_layout=tma_store_layout,
     )  # fmt: skip
     chosen = plan.plan(problem, _target(device), CAPABILITIES)
     return chosen if chosen.kernel == "m_grouped_fp8_ws" else None
@@ -256,7 +262,7 @@ def launch_m_grouped_fp8(
         return ds
     # TMA also needs 16-byte aligned base pointers (the one dynamic fact).
     ws_launch = (
-        _m_ws_launch(*spec, x.stride(), w.stride())
+        _m_ws_launch(*spec, x.stride(), w.stride(), (out.element_size(), _tma_store_layout(out)))
         if not fused and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
         else None
     )
