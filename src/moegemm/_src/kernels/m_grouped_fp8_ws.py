@@ -391,17 +391,9 @@ class MGroupedFp8WsLaunch:
 
     @staticmethod
     def make(
-        M: int,
-        N: int,
-        K: int,
-        G: int,
-        *,
-        recipe: str,
-        config,
-        num_programs_cap: int,
-        has_bias: bool,
+        M: int, N: int, K: int, G: int, *, recipe: str, config, num_programs_cap: int, has_bias: bool,
         store: int = STORE_REGISTERS,
-    ):
+    ):  # fmt: skip
         """config: ``configs.Fp8WsConfig``; num_programs_cap: the SM count (one CTA per SM:
         the ring takes most of shared memory); store: the epilogue's STORE_* (STORE_ROWS needs a 2-byte out,
         STORE_TMA one with a 16-byte aligned base and row stride, column stride 1)."""
