@@ -209,6 +209,8 @@ def _consumer(
                 col0 + SUB_N, N, stride_om, stride_on, stride_bg, stride_bn, stride_sxg, stride_sxm, stride_swg,
                 stride_swn, offs_m, offs_n, SCALING, HAS_BIAS, STORE,
             )  # fmt: skip
+    if STORE == 2:
+        tma.store_wait(0)  # the last stores have read the staging tile before the CTA's shared memory goes
 
 
 @gluon.jit
@@ -280,8 +282,8 @@ def _epilogue(
         if STORE == 2 and rows >= SUB_M:
             stage_out(out, out_desc, c_smem, row0, col0, False)
         elif rows > 0:
-            # The part crosses its group's end: through the staging tile into rows of 16-byte runs, stored
-            # under the row mask (a TMA box would write the next group's rows).
+            # STORE_ROWS, or a part crossing its group's end (a TMA box would write the next group's rows):
+            # through the staging tile into rows of 16-byte runs, stored under the row mask.
             c_smem.store(out)
             thread_barrier()
             layout: gl.constexpr = _row_store_layout(SUB_M, c_smem.shape[1], out_ptr.dtype.element_ty)
@@ -346,6 +348,7 @@ def m_grouped_mm_fp8_ws_kernel(
     gl.static_assert(
         SCALING != 2 or SCALE_BLOCK % BLOCK_K == 0, "blockwise scaling needs BLOCK_K dividing 128"
     )
+    gl.static_assert(STORE == 0 or BLOCK_N % 128 == 0, "a staging tile holds one 128-column part")
     a_bufs = operand_ring(x_ptr.dtype.element_ty, NUM_STAGES, BLOCK_M, BLOCK_K)
     b_bufs = operand_ring(w_ptr.dtype.element_ty, NUM_STAGES, BLOCK_N, BLOCK_K)
     ready, empty = ring_barriers(NUM_STAGES)
