@@ -166,7 +166,7 @@ def test_jax_skipped_without_jax(tmp_path, monkeypatch):
 
 
 def test_jax_skipped_without_gpu_backend(monkeypatch):
-    """CUDA for torch but no GPU for JAX, or no runnable jax-triton: Unavailable, naming which."""
+    """CUDA for torch but no GPU for JAX: Unavailable, naming which."""
     import jax
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

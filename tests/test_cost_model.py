@@ -169,7 +169,7 @@ def test_cli_eval_model_writes_the_scores(tmp_path, capsys):
 
 
 def test_tma_only_configs_stay_with_front_ends_that_have_tma():
-    """pick_config(tma=False) (the JAX front end: no TMA descriptors through jax-triton 0.3.1) never picks a
+    """pick_config(tma=False) (a launch without TMA: the interpreter's JAX executor, no scratch) never picks a
     config measured only through the TMA store or loads, from the cache (dsv3-ep8-fc1's wgrad entry is one)
     or from the model; with tma=True (PyTorch on sm90) they are picked where measured fastest."""
     picked = {True: set(), False: set()}

@@ -2,8 +2,8 @@
 precision and in FP8 (quantized operands through the same ops; ragged_dot(fp8_recipe=...)).
 
 One backend-agnostic base class, subclassed per backend: "triton" runs the compiled kernels through
-jax-triton (marked ``gpu``; it runs where JAX has a GPU and jax-triton imports, i.e. ``pytest -m gpu``
-on the GPU machine), "interpret" runs the same kernels with the GPU path's launch arguments through
+moegemm's JAX GPU executor (``_src/jax/gpu.py``; marked ``gpu``: ``pytest -m gpu`` where JAX has a
+GPU), "interpret" runs the same kernels with the GPU path's launch arguments through
 the Triton interpreter (CPU, TRITON_INTERPRET=1; a launch counter proves it), "reference" the
 jax.numpy twin. A backend that cannot run here is skipped with the reason the library gives.
 Shapes are tiny so the interpreter keeps the file fast on two CPU cores; TestTriton adds
@@ -571,9 +571,9 @@ def test_group_layout_matches_host_bounds(sizes, M, offset, G_local):
     ],
 )
 def test_launch_matches_kernel_signature(which):
-    """The GPU glue's contract with jax-triton, checked without a GPU: the input arrays in parameter
-    order, then the output pointer (jax-triton appends it), then every other parameter (sizes,
-    strides, constexprs) in meta as a Python value, because jax-triton makes meta constexprs."""
+    """The KernelCall contract, checked without a GPU: the input arrays in parameter order, then the
+    output pointer (the executors append it), then every other parameter (sizes, strides, constexprs)
+    in meta as a Python value."""
     import inspect
 
     from moegemm._src.jax import launch as _launch

@@ -3,7 +3,7 @@ oracle (token by token, sharing no code with the op), routing edge cases, bad in
 
 One backend-agnostic base class, subclassed per backend: "interpret" runs the fused launches (the GPU path's
 KernelCalls) under the Triton interpreter on CPU (a launch counter proves it; outputs start as NaN), "reference" the
-jax.numpy twin, "triton" the compiled kernels through jax-triton (``pytest -m gpu``). Shapes are tiny: the
+jax.numpy twin, "triton" the compiled kernels through the JAX GPU executor (``pytest -m gpu``). Shapes are tiny: the
 interpreter is slow.
 """
 

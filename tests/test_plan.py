@@ -31,8 +31,8 @@ def k_problem(M=32 * 1024, N=2880, K=2880, G=32, **kw) -> plan.Problem:
 @pytest.mark.parametrize("target", [SM90, plan.INTERPRET], ids=["sm90", "interpret"])
 @pytest.mark.parametrize("problem", [m_problem(), k_problem(), k_problem(G=4, M=4 * 65536)], ids=str)
 def test_jax_capabilities_never_take_tma_or_gluon(target, problem):
-    """jax-triton 0.3.1 passes neither descriptors nor scratch: whatever the layout facts say, no TMA path,
-    no warp-specialized kernel, and no config measured only through TMA."""
+    """The interpreter's JAX executor (``plan.JAX``) passes neither descriptors nor scratch: whatever the
+    layout facts say, no TMA path, no warp-specialized kernel, and no config measured only through TMA."""
     chosen = plan.plan(problem, target, plan.JAX)
     assert chosen.kernel == problem.op
     assert not (chosen.scratch or chosen.meta["TMA_LOAD"] or chosen.meta["TMA_STORE"]), chosen.schedule

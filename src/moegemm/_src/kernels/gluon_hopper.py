@@ -6,7 +6,7 @@ loader's copies, its consumers' math and its epilogue.
 
 Partitions (``warp_specialize_ring``): the default partition of LOADER_WARPS warps is the loader; it fills a
 ring of NUM_STAGES slots through TMA, from descriptors it makes on the device (Triton's global scratch: the
-PyTorch launcher's; JAX launches the Triton kernels instead). Two consumer
+PyTorch launcher's allocator, or the JAX GPU executor's). Two consumer
 warpgroups each own half of every tile's rows and run wgmma on it (FP8: wgmma -> wait -> promote, so one's
 promotion runs under the other's wgmma). docs/design.md, 'Warp-specialized wgrad' and 'Warp-specialized FP8
 kernels', say why and what each measured.
