@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from moegemm._src.kernels import gluon_hopper
+from moegemm._src.kernels import gluon_hopper, m_grouped_fp8_ws
 from moegemm.testing import sm90
 
 # Dynamic shared memory a block may use on sm90 (227 KB); an SM has 228 KB, 1 KB of it reserved per CTA.
@@ -61,6 +61,14 @@ def test_kernels_compile_for_sm90(tmp_path):
             # a step's partial product: 24-76 bytes spill there (sm_90a compile, 2026-11-27).
             limit = 128 if name.startswith("moe-fp8") else 64
             assert r["spill_bytes"] is None or r["spill_bytes"] <= limit, (name, r)
+        if name.startswith("m_grouped_fp8_ws"):
+            # The planner's fit check for the epilogue's staging tiles (plan.fp8_ws_store) uses shared_bytes: it
+            # must be what the kernel allocates, give or take its ring's mbarriers; a staged store makes out's
+            # descriptor on the device (x's, w's and out's: 3) only with TMA.
+            _, meta, _ = sm90.KERNELS[name]()
+            estimate = m_grouped_fp8_ws.shared_bytes(meta["BLOCK_N"], meta["NUM_STAGES"], meta["STORE"])
+            assert 0 <= r["shared"] - estimate <= 1024, (name, r["shared"], estimate)
+            assert r["descriptors"] == 2 + (meta["STORE"] == m_grouped_fp8_ws.STORE_TMA), (name, r)
 
 
 def test_unaligned_rows_keep_wide_accesses(tmp_path):
