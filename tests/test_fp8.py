@@ -38,6 +38,13 @@ GEMM_TOL = 1e-3
 TWIN_TOL = 1e-5 if DEVICE == "cpu" else 1e-3
 
 
+def poison_storage(byte: int = 0xFF, mib: int = 64) -> None:
+    """Fills mib MiB of fresh device storage with ``byte`` and frees it at once: the caching allocator hands
+    that storage to the next allocations, so an element a kernel leaves unwritten reads as the poison (0xFF:
+    NaN in every float dtype)."""
+    torch.full((mib << 20,), byte, dtype=torch.uint8, device=DEVICE)
+
+
 def outliers(M, K, seed, scale=1.0):
     """randn with a few entries 100x larger, in different rows and columns."""
     gen = torch.Generator().manual_seed(seed)
@@ -388,7 +395,7 @@ def test_quantize_column_sums(M, K, sizes, recipe, transpose, backend, monkeypat
     assert plain[4] is None and not launches
     pairs.clear()
     for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 8e-3)):
-        torch.full((64 << 20,), -1, dtype=torch.uint8, device=DEVICE)  # freed at once: NaN-poisoned storage
+        poison_storage()
         launches.clear()
         got = _ops.quantize_activation_views(
             x, gs, recipe, torch.float8_e4m3fn, transpose, backend, colsum_dtype=dtype
@@ -453,7 +460,7 @@ def test_rowwise_maxima_pass(M, K, sizes, colsum):
     sums = torch.full((G, K), float("nan"), device=DEVICE) if colsum else None
     # Freed at once: the maxima's buffers come from storage poisoned with 0x7f (3.4e38), which a stray read of
     # an unwritten partial turns into a wrong scale (a NaN poison would vanish in the GPU's max).
-    torch.full((64 << 20,), 0x7F, dtype=torch.uint8, device=DEVICE)
+    poison_storage(0x7F)
     config, sms = _launch_fp8._quantize_config(x.device)
     bg = max(16, 1 << G.bit_length())
     sizes_arg = st if gs is None else gs  # an unread pointer for uniform groups, as the launcher passes
@@ -598,7 +605,7 @@ def test_quantize_pair_writes_the_twins_bytes(shape, sizes, recipe, dtype, x_dty
     G = len(sizes) if sizes is not None else (shape[0] if x.dim() == 3 else 1)
     gs = None if sizes is None else torch.tensor(sizes, dtype=torch.int32)
     want = _ops.quantize(x, gs, recipe, dtype, True, G, "reference")
-    torch.full((256 << 20,), 0x7F, dtype=torch.uint8, device=DEVICE)  # freed at once: poisoned storage
+    poison_storage(0x7F, mib=256)
     got = _ops.quantize(x.to(DEVICE), None if gs is None else gs.to(DEVICE), recipe, dtype, True, G, "triton")
     assert bool(calls) == (shape[-1] % 16 == 0), "the pair kernel runs where x's rows are aligned"
     with plan.constrained(plan.Constraints(quantize_pair=False)):
@@ -754,7 +761,6 @@ def test_m_grouped_fp8_warp_specialized(recipe, block_n, M, K, N, sizes, monkeyp
     calls = ws_spy(
         monkeypatch, "M_GROUPED_FP8_WS", configs.candidates("m_grouped_fp8_ws", "sm90")[block_n == 128]
     )
-    poison = lambda: torch.full((64 << 20,), -1, dtype=torch.uint8, device=DEVICE)  # noqa: E731
     try:
         gs, x_q, w_q, dy_q = GemmTest().operands(recipe, M, K, N, sizes, seed=block_n)
         b = (torch.randn(len(sizes), N) + 3).to(DEVICE)
@@ -762,12 +768,12 @@ def test_m_grouped_fp8_warp_specialized(recipe, block_n, M, K, N, sizes, monkeyp
         want = torch.from_numpy(oracle.m_grouped_mm(xd, wd.mT, sizes, b.double().cpu()))
         owned = sum(sizes)
         for out_dtype, tol in ((torch.float32, GEMM_TOL), (torch.bfloat16, 4e-3)):  # 4e-3: bf16 rounding
-            poison()  # freed at once: the out allocated next is NaN-poisoned
+            poison_storage()
             out = m_grouped_mm(x_q, w_q, gs, bias=b, out_dtype=out_dtype)
             assert relerr(out.float().cpu(), want) <= tol, f"fprop {recipe} {sizes} {out_dtype}"
             assert not torch.isnan(out).any(), "an element left unwritten"
             assert (out[owned:] == 0).all(), "rows past the last group must be 0"
-        poison()
+        poison_storage()
         dx = m_grouped_mm(dy_q, w_q.t(), gs, out_dtype=torch.bfloat16)
         want = oracle.m_grouped_mm(dyd, w_q.t().dequantize(torch.float64).cpu().mT, sizes)
         assert relerr(dx.float().cpu(), torch.from_numpy(want)) <= 4e-3, f"dgrad {recipe} {sizes}"  # bf16 out
@@ -797,9 +803,7 @@ def test_m_grouped_fp8_warp_specialized_clamps_bad_sizes(name, M, sizes, recipe,
         x_q = quantize_fp8(x, recipe, group_sizes=gs, backend=backend)
         w_q = quantize_fp8(w, recipe, backend=backend)
         for out_dtype in (torch.float32, torch.bfloat16):  # register stores; staging tiles and TMA
-            torch.full(
-                (64 << 20,), -1, dtype=torch.uint8, device=DEVICE
-            )  # freed at once: NaN-poisoned storage
+            poison_storage()
             results.append(m_grouped_mm(x_q, w_q, gs, out_dtype=out_dtype, backend=backend).float().cpu())
     out, out_bf16, want, want_bf16 = results
     from moegemm._src.kernels import m_grouped_fp8_ws as ws

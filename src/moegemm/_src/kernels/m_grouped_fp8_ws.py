@@ -85,6 +85,7 @@ __all__ = [
 STAGE_COLS = 128  # a consumer's staging tile: 64 rows x 128 columns of out (one column part)
 # The epilogue's store (the kernel's STORE): from the wgmma registers, through the staging tiles into rows, or
 # through them by TMA where a part's rows are all in its group.
+# The kernel compares STORE with these literals (it cannot read module globals).
 STORE_REGISTERS, STORE_ROWS, STORE_TMA = 0, 1, 2
 
 
@@ -209,7 +210,7 @@ def _consumer(
                 col0 + SUB_N, N, stride_om, stride_on, stride_bg, stride_bn, stride_sxg, stride_sxm, stride_swg,
                 stride_swn, offs_m, offs_n, SCALING, HAS_BIAS, STORE,
             )  # fmt: skip
-    if STORE == 2:
+    if STORE == 2:  # STORE_TMA
         tma.store_wait(0)  # the last stores have read the staging tile before the CTA's shared memory goes
 
 
@@ -274,7 +275,7 @@ def _epilogue(
     out = acc.to(out_ptr.dtype.element_ty)
     if STORE != 0:  # STORE_ROWS, STORE_TMA
         SUB_M: gl.constexpr = acc.shape[0]
-        if STORE == 2:
+        if STORE == 2:  # STORE_TMA
             # This consumer's previous store has read the staging tile (the issuing thread waits; every thread
             # writes the tile after the barrier).
             tma.store_wait(0)
@@ -355,13 +356,13 @@ def m_grouped_mm_fp8_ws_kernel(
     STAGE_N: gl.constexpr = 128  # STAGE_COLS (a module global, which a kernel cannot read)
     out_dtype: gl.constexpr = out_ptr.dtype.element_ty
     out_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, STAGE_N], out_dtype)
-    if STORE != 0:
+    if STORE != 0:  # STORE_ROWS, STORE_TMA
         c_bufs = gl.allocate_shared_memory(
             out_dtype, [2, BLOCK_M // 2, STAGE_N], out_layout
         )  # one a consumer
     else:
         c_bufs = gl.allocate_shared_memory(out_dtype, [2, 1, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    if STORE == 2:
+    if STORE == 2:  # STORE_TMA
         # In Triton's global scratch, as the loader's: made once a program.
         out_desc = tma.make_tensor_descriptor(
             out_ptr, [M, N], [stride_om, 1], [BLOCK_M // 2, STAGE_N], out_layout
