@@ -3,8 +3,8 @@
 The block: a fixed top-1 router (tokens to experts by a hash), fc1 -> GELU -> fc2 as two GroupedLinear
 layers, learning a fixed random teacher MoE of the same shape (``--task``):
 
-- ``regression``: the teacher's output, MSE loss. Its floor is what the block has not yet learned, near zero,
-  so the FP8 forward's own quantization noise is a large part of what is left.
+- ``regression``: the teacher's output, MSE loss. Its floor is zero: what is left is what the block has not
+  learned, and the FP8 forward's own quantization noise is a large part of it.
 - ``classification``: a label per token drawn from softmax(the teacher's output through a fixed random head),
   cross-entropy through the student's own BF16 head. The labels' entropy is the loss's floor, as the data's
   entropy is a language model's.
@@ -22,7 +22,7 @@ seed:
 Usage (GPU):
 
     python examples/fp8_training.py --steps 300 --seeds 3 --out benchmarks/results/nvidia-h100/fp8-loss
-    python examples/fp8_training.py --task classification --out benchmarks/results/nvidia-h100/fp8-loss-ce
+    python examples/fp8_training.py --task classification --out benchmarks/results/nvidia-h200/fp8-loss-ce
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ RUNS = (None, "tensorwise", "rowwise", "blockwise")
 HELD_OUT = 8  # evaluation batches, from a stream no training run draws from
 EVAL_STREAM = 0  # training seeds start at 1
 CLASSES = 512
-TEMPERATURE = 4.0  # the teacher's logits, normalized to unit deviation, times this: about 2 nats of entropy
+TEMPERATURE = 4.0  # times the teacher's logits normalized to unit deviation: ~2 nats where those are Gaussian
 
 
 def batch(stream, step, tokens, hidden, experts, device):
