@@ -539,6 +539,63 @@ def test_quantize_cols_geometry_picks_the_tile_by_mean_group_rows(R, C, G):
     assert grid == (G * fp8.cdiv(C, block_c),)
 
 
+@pytest.mark.parametrize(
+    "R, C", [(32768, 7168), (16384, 2048), (5, 40), (0, 8), (3, 16384), (7, 16385), (2, 70000)]
+)
+def test_quantize_rows_geometry_holds_rows_whole_up_to_one_sweep_cols(R, C):
+    """Rowwise data: a row up to one_sweep_cols wide is held whole (BLOCK_C covers it, one_sweep_elems elements a
+    program, a warp per 2048 columns); wider rows take the two sweeps' tile. Every row has a program."""
+    from moegemm._src import configs
+    from moegemm._src.kernels import quantize_fp8 as qk
+
+    config = configs.QuantizeConfig()
+    block_r, block_c, one_sweep, warps, grid = qk.rows_geometry(R, C, config)
+    assert one_sweep == (C <= config.one_sweep_cols)
+    if one_sweep:
+        assert C <= block_c < 2 * max(C, 1) and block_r * block_c == max(config.one_sweep_elems, block_c)
+        assert warps == max(config.num_warps, block_c // 2048)
+    else:
+        assert (block_r, block_c, warps) == (config.sweep_rows, config.sweep_cols, config.num_warps)
+    assert grid == (fp8.cdiv(R, block_r),) and grid[0] * block_r >= R
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "M, K, sizes",
+    [(37, 200, [10, 0, 27]), (3, 16400, [2, 0, 1]), (20, 7168, None), (48, 16, [0, 48])],
+    ids=["skew-empty", "wider-than-one-sweep", "dsv3-width", "k16"],
+)
+def test_quantize_rows_one_sweep_and_two_sweeps_write_the_twins_bytes(M, K, sizes, monkeypatch):
+    """Rowwise data (the rows launch, no transposed copy) held whole and in two sweeps (forced by
+    one_sweep_cols = 0): both write the twin's bytes and scales, rows past the last group 0 with scale 1."""
+    import dataclasses
+
+    from moegemm._src import configs, plan
+    from moegemm._src.torch import launch_fp8
+
+    x = outliers(M, K, seed=M + K).to(torch.bfloat16)
+    gs = None if sizes is None else torch.tensor(sizes, dtype=torch.int32)
+    want = quantize_fp8(x, "rowwise", group_sizes=gs, backend="reference")
+    real = plan.quantize_config
+    for one_sweep_cols in (configs.QuantizeConfig().one_sweep_cols, 0):
+        monkeypatch.setattr(
+            plan,
+            "quantize_config",
+            lambda t, c=one_sweep_cols: dataclasses.replace(real(t), one_sweep_cols=c),
+        )
+        launch_fp8.clear_launch_cache()
+        got = quantize_fp8(
+            x.to(DEVICE), "rowwise", group_sizes=None if gs is None else gs.to(DEVICE), backend="triton"
+        )
+        form = "one sweep" if one_sweep_cols else "two sweeps"
+        assert torch.equal(as_bytes(got.data).cpu(), as_bytes(want.data)), (
+            f"{form}: data differs from the twin"
+        )
+        assert torch.equal(got.scale.cpu(), want.scale), f"{form}: scales differ from the twin"
+    monkeypatch.undo()
+    launch_fp8.clear_launch_cache()
+
+
 @pytest.mark.parametrize("write_q", [True, False], ids=["data", "data_t"])
 @pytest.mark.parametrize("scaling", [0, 1, 2], ids=["tensor", "1x128", "128x128"])
 def test_quantize_tile_shape_is_the_launch_tile(scaling, write_q):

@@ -86,8 +86,9 @@ class QuantizeConfig:
     tiles of one row tile, fewer where that leaves under 16 programs per SM; num_stages is the
     column loop's tl.range stages.
     The one-read pair kernel: pair_warps, pair_stages, pair_chunks (below).
-    Rowwise sweeps: rows per program and columns per step (data); columns per program and rows per
-    step (transposed copy); sweep_stages the same for the sweeps. With C and the strides 16-divisible
+    Rowwise data: rows up to one_sweep_cols wide held whole (quantize_fp8.rows_geometry), wider ones in
+    sweeps of rows per program and columns per step; the transposed copy: columns per program and rows per
+    step; sweep_stages the same for the sweeps. With C and the strides 16-divisible
     (every real launch) Triton 3.6 pipelines these loops with cp.async (docs/design.md, 'Quantize')."""
 
     q_rows: int = 32
@@ -99,6 +100,10 @@ class QuantizeConfig:
     t_warps: int = 4  # the transposed-copy launch's
     sweep_rows: int = 8
     sweep_cols: int = 512
+    # Rowwise data of rows up to one_sweep_cols wide: held whole, one_sweep_elems elements a program
+    # (quantize_fp8.rows_geometry).
+    one_sweep_cols: int = 16384
+    one_sweep_elems: int = 8192
     col_block: int = 64
     col_rows: int = 256
     sweep_stages: int = 1

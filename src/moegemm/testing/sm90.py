@@ -147,6 +147,20 @@ def _quantize_pair(scaling: int = 1, warps: int = 16, x: str = "bf16", weight: b
     return quantize_fp8.fp8_quantize_pair_kernel, meta, pointers, values
 
 
+def _quantize_rows(C: int):
+    """Rowwise data of activations [M, C] with device-side group sizes, as ``quantize_fp8.rows_geometry`` plans
+    it at the sm90 config: held whole up to one_sweep_cols columns, two sweeps past them."""
+    config = configs.pick_config("quantize_fp8", "sm90")
+    block_r, block_c, one_sweep, warps, _ = quantize_fp8.rows_geometry(M, C, config)
+    meta = dict(
+        BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_G=64, HAS_SIZES=True, NUM_STAGES=config.sweep_stages,
+        FP8_MAX=448.0, EMULATE_CAST=False, ONE_SWEEP=one_sweep, num_warps=warps,
+    )  # fmt: skip
+    pointers = {"x_ptr": "*bf16", "group_sizes_ptr": "*i32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+    values = dict(R=M, C=C, G=G, stride_xr=C, stride_xc=1, stride_qr=C, stride_qc=1, stride_s=1)
+    return quantize_fp8.fp8_quantize_rows_kernel, meta, pointers, values
+
+
 def _m_args(
     M: int, N: int, K: int, G: int, *, w_k_contiguous: bool = True, bias: bool = False, out: str = "*bf16"
 ):
@@ -583,6 +597,10 @@ KERNELS = {
     "quantize-pair-tensorwise-8-warps": lambda: _quantize_pair(0, 8),
     "quantize-pair-blockwise-fp32": lambda: _quantize_pair(x="fp32"),
     "quantize-pair-weight-blockwise": lambda: _quantize_pair(2, weight=True),
+    # Rowwise data: a row held whole (DeepSeek-V3's 7168 and the widest, 16384), and two sweeps past that.
+    "quantize-rows-7168": lambda: _quantize_rows(7168),
+    "quantize-rows-16384": lambda: _quantize_rows(16384),
+    "quantize-rows-two-sweeps": lambda: _quantize_rows(16400),
 }
 
 

@@ -192,8 +192,7 @@ def quantize_rows_call(
 ) -> KernelCall:
     """Rowwise: (data [R, C], scale [R]) of x [R, C]; rows past the last group give 0 with scale 1."""
     R, C = x.shape
-    config = _quantize_config(target)
-    rows = config.sweep_rows
+    block_r, block_c, one_sweep, warps, grid = qk.rows_geometry(R, C, _quantize_config(target))
     meta = dict(
         R=R,
         C=C,
@@ -203,17 +202,17 @@ def quantize_rows_call(
         stride_qr=C,
         stride_qc=1,
         stride_s=1,
-        BLOCK_R=rows,
-        BLOCK_C=config.sweep_cols,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
         BLOCK_G=_block_g(G),
         HAS_SIZES=group_sizes is not None,
-        NUM_STAGES=config.sweep_stages,
+        NUM_STAGES=_quantize_config(target).sweep_stages,
         FP8_MAX=fp8_max(dtype),
         EMULATE_CAST=target.name == "interpret",
-        num_warps=config.num_warps,
+        ONE_SWEEP=one_sweep,
+        num_warps=warps,
     )
     outs = (_sds((R, C), dtype), _sds((R,), jnp.float32))
-    grid = (triton.cdiv(R, rows),)
     return KernelCall(qk.fp8_quantize_rows_kernel, grid, (x, _sizes_arg(group_sizes, x)), outs, meta, {})
 
 

@@ -191,6 +191,22 @@ def _quantize_config(device: torch.device) -> tuple[configs.QuantizeConfig, int]
     return plan.quantize_config(target), target.programs
 
 
+def _rows_grid(R, C, bg, has_sizes, config, fp8_max) -> _Grid:
+    block_r, block_c, one_sweep, warps, grid = qk.rows_geometry(R, C, config)
+    meta = dict(
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        BLOCK_G=bg,
+        HAS_SIZES=has_sizes,
+        NUM_STAGES=config.sweep_stages,
+        FP8_MAX=fp8_max,
+        EMULATE_CAST=INTERPRET,
+        ONE_SWEEP=one_sweep,
+        num_warps=warps,
+    )
+    return _Grid(grid, meta)
+
+
 @functools.lru_cache(maxsize=64)
 def _quantize_pair(
     recipe: str, transpose: bool, rows_aligned: bool, long_groups: bool, device: torch.device
@@ -528,25 +544,12 @@ def launch_quantize_fp8(
         )
         return
     if recipe == "rowwise":
-        rows = config.sweep_rows
         if not t_only:
             QUANTIZE_ROWS.launch(
                 ("rows", x.device, R, C, G, has_sizes, fp8_max),
                 (x, sizes, q, s),
                 (R, C, G, *x.stride(), *q.stride(), s.stride(-1)),
-                lambda: _Grid(
-                    (triton.cdiv(R, rows),),
-                    dict(
-                        BLOCK_R=rows,
-                        BLOCK_C=config.sweep_cols,
-                        BLOCK_G=bg,
-                        HAS_SIZES=has_sizes,
-                        NUM_STAGES=config.sweep_stages,
-                        FP8_MAX=fp8_max,
-                        EMULATE_CAST=INTERPRET,
-                        num_warps=config.num_warps,
-                    ),
-                ),
+                lambda: _rows_grid(R, C, bg, has_sizes, config, fp8_max),
             )
         if qt is not None:
             t_strides = qt.stride() if qt.dim() == 3 else (0, *qt.stride())
