@@ -192,7 +192,8 @@ def quantize_rows_call(
 ) -> KernelCall:
     """Rowwise: (data [R, C], scale [R]) of x [R, C]; rows past the last group give 0 with scale 1."""
     R, C = x.shape
-    block_r, block_c, one_sweep, warps, grid = qk.rows_geometry(R, C, _quantize_config(target))
+    config = _quantize_config(target)
+    block_r, block_c, one_sweep, warps, grid = qk.rows_geometry(R, C, config)
     meta = dict(
         R=R,
         C=C,
@@ -206,7 +207,7 @@ def quantize_rows_call(
         BLOCK_C=block_c,
         BLOCK_G=_block_g(G),
         HAS_SIZES=group_sizes is not None,
-        NUM_STAGES=_quantize_config(target).sweep_stages,
+        NUM_STAGES=config.sweep_stages,
         FP8_MAX=fp8_max(dtype),
         EMULATE_CAST=target.name == "interpret",
         ONE_SWEEP=one_sweep,

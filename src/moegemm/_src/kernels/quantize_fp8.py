@@ -109,7 +109,7 @@ def rows_geometry(R: int, C: int, config) -> tuple[int, int, bool, int, tuple[in
     """(BLOCK_R, BLOCK_C, ONE_SWEEP, num_warps, grid) of a fp8_quantize_rows_kernel launch over x [R, C]. Rows
     of at most ``config.one_sweep_cols`` columns are held whole (one read of x: BLOCK_C the next power of two of
     C, BLOCK_R rows making ``config.one_sweep_elems`` elements, a warp per 2048 columns and at least num_warps);
-    wider rows take two sweeps of sweep_rows x sweep_cols steps, the second read from L2."""
+    wider rows take two sweeps of sweep_rows x sweep_cols steps (amax, then cast, reading x again)."""
     block_c = triton.next_power_of_2(max(C, 1))
     if block_c <= config.one_sweep_cols:
         block_r = max(1, config.one_sweep_elems // block_c)
