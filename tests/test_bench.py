@@ -447,6 +447,60 @@ def test_paired_records_and_summary():
     assert all("paired_ms" not in r for r in records)
 
 
+def test_seeds_each_get_records_and_the_summary_takes_their_median():
+    """RunSpec.seeds runs every case once per routing seed (each its own group sizes); the summary's ratio of a
+    case-op is the median over the seeds."""
+    registry.load_impls()
+    impls = [registry.REGISTRY["loop-torch.mm"], registry.REGISTRY["torch._grouped_mm"]]
+    spec = harness.RunSpec(
+        cases=[shapes.get("tiny-qwen3-fc2")],
+        ops=["fwd"],
+        impls=impls,
+        device=torch.device("cpu"),
+        timing=timing.TimingConfig.quick(),
+        paired=True,
+        seeds=(0, 1, 2),
+    )
+    records = harness.run(spec, _env())
+    assert sorted((r["impl"], r["seed"]) for r in records) == sorted(
+        (i.name, s) for i in impls for s in (0, 1, 2)
+    )
+    mine = [r for r in records if r["impl"] == "loop-torch.mm"]
+    for r, ratio in zip(mine, (0.5, 2.0, 1.5)):
+        r.update(impl="moegemm", vs_torch=ratio, paired_vs_torch=ratio)
+    summary = report.summary(records)
+    assert summary["compared"] == 1 and summary["geomean_vs_torch"] == pytest.approx(1.5)
+    assert summary["seeds"] == [0, 1, 2]
+
+
+def test_timing_counts_and_meta():
+    """At least 10 warm-ups always, and 100 timed calls of a small problem (20 of a large one); the result
+    file's meta names the clock, the reps and the code's commit."""
+    cfg = timing.TimingConfig()
+    assert cfg.counts(2, 0.01) == (int(cfg.warmup_ms / 0.005), cfg.max_reps)
+    assert cfg.counts(2, 1.0) == (50, 200)  # 0.5 ms a call: the budgets
+    warmup, reps = cfg.counts(2, 2 * 0.9)  # 0.9 ms a call: small
+    assert warmup >= 10 and reps >= 100
+    warmup, reps = cfg.counts(3, 3 * 50.0)  # 50 ms a call: large
+    assert warmup == 10 and reps == 20
+    meta = report.run_meta(_env(), False, ["--x"], benchmark="bf16", tcfg=cfg, seeds=(0, 1, 2))
+    assert meta["benchmark"] == "bf16" and meta["argv"] == ["--x"] and meta["seeds"] == [0, 1, 2]
+    assert meta["clock"]["headline"] == timing.HEADLINE and meta["reps"]["warmup"] == 10
+    assert meta["reps"]["reps"] == 100 and set(meta) >= {
+        "commit",
+        "dirty",
+        "driver",
+        "torch",
+        "triton",
+        "jax",
+    }
+    os.environ["MOEGEMM_COMMIT"], os.environ["MOEGEMM_DIRTY"] = "a" * 40, "0"
+    try:
+        assert report.code_version() == {"commit": "a" * 40, "dirty": False}
+    finally:
+        del os.environ["MOEGEMM_COMMIT"], os.environ["MOEGEMM_DIRTY"]
+
+
 # ---------------------------------------------------------------- tools/
 
 

@@ -22,14 +22,17 @@ def test_cpu_run_end_to_end(tmp_path):
     assert data["meta"]["mode"] == "correctness" and data["meta"]["benchmark"] == "moe"
     assert data["meta"]["failed"] == []
     records = data["records"]
+    assert (
+        data["meta"]["seeds"] == [0] and data["meta"]["commit"] is None or len(data["meta"]["commit"]) == 40
+    )
     assert {(r["routing"], r["impl"]) for r in records} == {
         (routing, impl)
         for routing in ("balanced", "hot")
-        for impl in ("moegemm", "moegemm-unfused", "torch-grouped-mm", "liger-autotune-off")
+        for impl in ("moegemm", "moegemm-unfused", "torch-grouped-mm", "liger", "sonicmoe")
     }
     for r in records:
-        if r["impl"].startswith("liger"):
-            assert r["status"] == "skipped" and "CUDA" in r["reason"]
+        if r["impl"] in ("liger", "sonicmoe"):
+            assert r["status"] == "skipped" and r["reason"], r
             continue
         assert r["status"] == "ok", r
         assert set(r["relerr"]) == set(moe.GRADS) and r["max_relerr"] <= r["tol"]
@@ -37,6 +40,46 @@ def test_cpu_run_end_to_end(tmp_path):
         assert r["oracle"] == "float64"
     hot = next(r for r in records if r["routing"] == "hot")
     assert hot["load"]["max_rows"] > 1.5 * hot["load"]["mean_rows"]  # expert 0 in nearly every token
+
+
+def test_paired_clock_fills_the_headline(monkeypatch):
+    """run_cases times the ok in-process implementations of a (shape, routing, seed) taking turns: their fwd and
+    step ms come from timing.paired_stats (here its CPU form), with quartiles and reps; a failed one gets none; each
+    seed gets its own records."""
+    calls = []
+
+    def fake_measure(impl, shape, routing, inp, ref, *, tcfg, check_only, keep):
+        rec = {**moe._base(shape, routing, impl.name), "status": "ok" if impl.name != "bad" else "failed"}
+        if keep is not None and rec["status"] == "ok":
+            keep[impl.name] = (
+                lambda n=impl.name: calls.append(("fwd", n)),
+                lambda n=impl.name: calls.append(("step", n)),
+            )
+        return rec
+
+    monkeypatch.setattr(moe, "measure", fake_measure)
+    impls = [moe.MoEImpl(name, None) for name in ("a", "b", "bad")]
+    records = moe.run_cases(
+        [moe.SHAPES["tiny-E4-k2"]],
+        ["balanced"],
+        impls,
+        torch.device("cpu"),
+        dtype=torch.float32,
+        seeds=(0, 1),
+        tcfg=timing.TimingConfig(cpu_reps=2),
+        check_only=False,
+        paired=True,
+    )
+    assert [(r["impl"], r["seed"]) for r in records] == [(n, s) for s in (0, 1) for n in ("a", "b", "bad")]
+    for r in records:
+        if r["impl"] == "bad":
+            assert "fwd_ms" not in r and "step_ms" not in r
+            continue
+        assert r["fwd_ms"] > 0 and r["step_ms"] > 0 and r["fwd_reps"] == 2 and r["fwd_q25"] <= r["fwd_q75"]
+        assert r["step_tflops"] == pytest.approx(3 * r["fwd_flops"] / r["step_ms"] / 1e9)
+    # Taking turns: a, b, a, b for the forward (one round to size the reps, then 2 reps), then the step, per seed.
+    assert calls[:12] == [("fwd", "a"), ("fwd", "b")] * 3 + [("step", "a"), ("step", "b")] * 3
+    assert len(calls) == 24
 
 
 def test_flops():

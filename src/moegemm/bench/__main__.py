@@ -42,6 +42,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--jagged-splits", help="explicit group sizes, e.g. 100,0,28: G=len, M=sum; K, N per case")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seeds",
+        help="comma-separated routing seeds, each case run once per seed (default on CUDA: 0,1,2; on CPU: --seed)",
+    )
     te = p.add_argument_group("TransformerEngine-style case (replaces --cases; runs fc1 and fc2)")
     te.add_argument("--num-experts", type=int)
     te.add_argument("--ep-size", type=int, default=1)
@@ -57,8 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--paired",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="also time each case-op's implementations taking turns call by call (paired_ms, paired_vs_torch; "
-        "default on): immune to clock drift between one implementation's timing block and the next",
+        help="the headline clock (default on): each case-op's implementations timed taking turns call by call, "
+        "L2 flushed (ms = paired_ms); immune to clock drift between one implementation's block and the next",
     )
     p.add_argument(
         "--out",
@@ -131,13 +135,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     moe.add_argument("--moe", action="store_true", help="run the expert-block benchmark instead")
     moe.add_argument("--moe-shapes", help="shape names or tags (gpu, sonic, model, tiny, all); default gpu")
     moe.add_argument("--moe-routing", default="balanced,skewed", help="subset of balanced,skewed,hot")
-    moe.add_argument("--moe-peers", help="impls (default: all but autotuned liger); see moe.IMPLS")
-    moe.add_argument(
-        "--moe-liger-autotune",
-        nargs="?",
-        const="qwen3-30b-a3b",
-        help="also time autotuned Liger (minutes per shape) on this one shape (default qwen3-30b-a3b)",
-    )
+    moe.add_argument("--moe-peers", help="impls (default: moe.DEFAULT_PEERS); see moe.IMPLS")
     ep = p.add_argument_group("expert parallelism (moegemm.bench.ep): moe_experts(ep_group=) vs torchtitan")
     ep.add_argument("--ep", action="store_true", help="run the PyTorch EP benchmark (torchrun, or spawns)")
     ep.add_argument("--ep-sizes", default="2,4", help="comma-separated EP group sizes")
@@ -159,6 +157,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--fp8-step-cases", default="", help="cases for a GroupedLinear fwd+bwd step, BF16 vs each recipe"
     )
     return p.parse_args(argv)
+
+
+DEFAULT_SEEDS = (0, 1, 2)
+
+
+def seeds_arg(args, cuda: bool) -> tuple[int, ...]:
+    """The routing seeds of a run: ``--seeds``, else three on CUDA (``DEFAULT_SEEDS``), else ``--seed``."""
+    if args.seeds:
+        return tuple(int(s) for s in _csv(args.seeds))
+    return DEFAULT_SEEDS if cuda else (args.seed,)
 
 
 def _csv(text: str | None) -> list[str]:
@@ -266,6 +274,7 @@ def main(argv=None) -> int:
         dtype=harness.DTYPES[args.dtype],
         split=args.split,
         seed=args.seed,
+        seeds=seeds_arg(args, cuda),
         jagged=jagged,
         timing=timing.TimingConfig.quick() if args.quick else timing.TimingConfig(),
         paired=args.paired and cuda,
@@ -276,7 +285,7 @@ def main(argv=None) -> int:
         args.dtype, args.split, _csv(args.impls) or None, jagged=jagged is not None, tune=args.tune
     )
     out = args.out or report.default_out(env.device, name)
-    meta = _meta(args, argv, env, spec, registry, timing)
+    meta = _meta(args, argv, env, spec, registry, timing, name)
 
     def checkpoint(records: list[dict]) -> None:
         """After every case: a run cut short (a time limit) still leaves its finished cases on disk."""
@@ -393,12 +402,12 @@ def _model_cli(args) -> int:
     return 0
 
 
-def _meta(args, argv, env, spec, registry, timing) -> dict:
+def _meta(args, argv, env, spec, registry, timing, name: str) -> dict:
     from moegemm.bench import report, roofline
 
     check_only = spec.check_only
     return {
-        **report.run_meta(env, check_only, argv),
+        **report.run_meta(env, check_only, argv, benchmark=name, tcfg=spec.timing, seeds=spec.all_seeds()),
         "dtype": args.dtype,
         "ops": spec.ops,
         "split": args.split,

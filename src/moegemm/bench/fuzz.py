@@ -26,13 +26,13 @@ fast accumulation) is the peer of fwd and dgrad where K and N are multiples of 1
 measured against its twin.
 
 Each (case, op) is checked before it is timed (``harness.measure``: NaN-poisoned outputs, the fp32 oracle;
-FP8: the dequantized fp32 product, as ``fp8`` checks), then timed by device time, the CUPTI durations of
-every kernel a call ran (``timing.device_ms``; a launch of a few microseconds is otherwise timed by its
-host time, which the L2 flush before each call does not always cover), and the ratios use it. moegemm and
-its peer also take turns call by call on cuda events (``timing.paired_ms``, quick budgets unless
-``--fuzz-timing full``), recorded beside (``*_event_ms``, ``vs_torch_events``). Every fuzz shape compiles
-new kernels (N, K and G are constexprs), so ``--workers W`` first runs each (case, op) once in W spawned
-processes on the GPU to fill Triton's on-disk cache in parallel.
+FP8: the dequantized fp32 product, as ``fp8`` checks), then timed on the headline clock: moegemm and its
+peer take turns call by call on CUDA events, the L2 flushed before each call (``timing.paired_stats``,
+quick budgets unless ``--fuzz-timing full``; ``*_ms``, ``vs_torch``). That clock includes the host time of a
+launch that outlasts its kernel, as a training step pays it. Device time, the CUPTI durations of every
+kernel a call ran (``timing.device_ms``), is recorded beside (``*_device_ms``, ``vs_torch_device``).
+Every fuzz shape compiles new kernels (N, K and G are constexprs), so ``--workers W`` first runs each
+(case, op) once in W spawned processes on the GPU to fill Triton's on-disk cache in parallel.
 
 Without a GPU the fuzz is a correctness job under the interpreter: drawn shapes shrink (``clamp_cpu``) to
 G <= 8 and M*K*N, G*K*N <= ``CPU_VOLUME``, each dim keeping its alignment class; nothing is timed; exit 1 on a
@@ -322,8 +322,8 @@ class Fuzz:
     tcfg: object
     fp8: bool = False
     twins: str = "refused"
-    # The paired cuda-event medians of the last _time call, by impl (recorded beside the device times).
-    events: dict = dataclasses.field(default_factory=dict)
+    # The CUPTI device ms of the last _time call, by impl (recorded beside the headline paired medians).
+    beside: dict = dataclasses.field(default_factory=dict)
 
     @property
     def check_only(self) -> bool:
@@ -370,7 +370,7 @@ class Fuzz:
                 "twin_tflops": None if t is None else t["moegemm_tflops"],
             }
             rec["vs_torch"] = _ratio(rec["torch_ms"], rec["moegemm_ms"])
-            rec["vs_torch_events"] = _ratio(rec.get("torch_event_ms"), rec.get("moegemm_event_ms"))
+            rec["vs_torch_device"] = _ratio(rec.get("torch_device_ms"), rec.get("moegemm_device_ms"))
             rec["vs_aligned"] = _ratio(rec["moegemm_tflops"], rec["twin_tflops"])
             key = "vs_torch" if accepts and not (self.fp8 and r["op"] == "wgrad") else "vs_aligned"
             rec["reference"] = {"vs_torch": "torch", "vs_aligned": "aligned twin"}[key]
@@ -412,13 +412,13 @@ class Fuzz:
                     "cache_key": m.get("cache_key"),
                     "kernel": m.get("kernel"),
                     "moegemm_ms": ms.get("moegemm"),
-                    "moegemm_event_ms": self.events.get("moegemm"),
+                    "moegemm_device_ms": self.beside.get("moegemm"),
                     "moegemm_tflops": _tflops(case, op, ms.get("moegemm")),
                     "torch_status": None if t is None else t["status"],
                     "torch_reason": None if t is None else t["reason"],
                     "torch_relerr": None if t is None else t["relerr"],
                     "torch_ms": ms.get(harness.TORCH_PEER),
-                    "torch_event_ms": self.events.get(harness.TORCH_PEER),
+                    "torch_device_ms": self.beside.get(harness.TORCH_PEER),
                     "torch_tflops": _tflops(case, op, ms.get(harness.TORCH_PEER)),
                 }
             )
@@ -466,13 +466,13 @@ class Fuzz:
                         "relerr": c["relerr"],
                         "tol": fp8.TOLERANCE,
                         "moegemm_ms": ms.get(recipe),
-                        "moegemm_event_ms": self.events.get(recipe),
+                        "moegemm_device_ms": self.beside.get(recipe),
                         "moegemm_tflops": _tflops(case, op, ms.get(recipe)),
                         "torch_status": peer["status"] if compared else None,
                         "torch_reason": peer["reason"] if compared else None,
                         "torch_relerr": peer["relerr"] if compared else None,
                         "torch_ms": ms.get("torch") if compared else None,
-                        "torch_event_ms": self.events.get("torch") if compared else None,
+                        "torch_device_ms": self.beside.get("torch") if compared else None,
                         "torch_tflops": _tflops(case, op, ms.get("torch")) if compared else None,
                     }
                 )
@@ -480,16 +480,15 @@ class Fuzz:
         return out
 
     def _time(self, fns: dict) -> dict:
-        """Device ms of each callable (``timing.device_ms``: the CUPTI durations of every kernel it ran, so a
-        host-bound tiny launch is timed by its kernels, not by its host time), with the paired cuda-event
-        medians (``timing.paired_ms``, L2 flushed, call by call) in ``self.events``; {} on CPU."""
+        """The headline ms of each callable (``timing.paired_ms``: the callables taking turns, L2 flushed, CUDA
+        events), with the CUPTI device ms (``timing.device_ms``) in ``self.beside``; {} on CPU."""
         from moegemm.bench import timing
 
-        self.events = {}
+        self.beside = {}
         if not fns or self.check_only:
             return {}
-        self.events = timing.paired_ms(fns, self.device, self.tcfg, timing.round_ms(fns, self.device))
-        return {name: timing.device_ms(fn, self.device) for name, fn in fns.items()}
+        self.beside = {name: timing.device_ms(fn, self.device) for name, fn in fns.items()}
+        return timing.paired_ms(fns, self.device, self.tcfg, timing.round_ms(fns, self.device))
 
 
 def _out_bytes(case: shapes.Case, op: str) -> int:
@@ -686,8 +685,7 @@ def main(args, argv, env, device: torch.device, console) -> int:
     out = args.out or report.default_out(env.device, args.name or ("fuzz-fp8" if fp8 else "fuzz"))
     workers = args.workers if args.workers is not None else min(16, os.cpu_count() or 1)
     meta = {
-        **report.run_meta(env, check_only, argv),
-        "benchmark": "fuzz-fp8" if fp8 else "fuzz",
+        **report.run_meta(env, check_only, argv, benchmark="fuzz-fp8" if fp8 else "fuzz", tcfg=tcfg),
         "seed": args.seed,
         "n": args.fuzz,
         "dtype": "fp8" if fp8 else str(dtype).removeprefix("torch."),
@@ -698,8 +696,8 @@ def main(args, argv, env, device: torch.device, console) -> int:
         "twins": args.fuzz_twins,
         "timing": None
         if check_only
-        else "device time: CUPTI kernel durations (timing.device_ms); also paired cuda events, L2 flushed "
-        "(timing.paired_ms: *_event_ms, vs_torch_events)",
+        else "headline: paired CUDA events, L2 flushed (timing.paired_ms: *_ms, vs_torch); beside: CUPTI device "
+        "time (timing.device_ms: *_device_ms, vs_torch_device)",
         "timing_config": None if check_only else dataclasses.asdict(tcfg),
         "warming": None,
         "elapsed_s": None,

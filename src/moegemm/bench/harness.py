@@ -230,8 +230,10 @@ def measure(
         return {**rec, "status": "failed", "reason": f"relerr {err:.3e} > tol {rec['tol']:.1e}"}
     if check_only:
         return {**rec, "status": "ok"}
+    paired = keep is not None and impl.clock == "events"
     try:
-        ms = timing.median_ms(fn, problem.device, impl.clock, tcfg)
+        # On the paired clock ``run`` times the kept callables in turns and fills ms; otherwise this clock.
+        ms = None if paired else timing.median_ms(fn, problem.device, impl.clock, tcfg)
     except Exception as exc:  # noqa: BLE001
         return {**rec, "status": "failed", "reason": "timing: " + _reason(exc)}
     try:
@@ -239,26 +241,31 @@ def measure(
         issue_us = timing.host_us(getattr(fn, "issue", fn), problem.device)
     except Exception as exc:  # noqa: BLE001
         return {**rec, "status": "failed", "reason": "device/host timing: " + _reason(exc)}
-    if keep is not None and impl.clock == "events":
+    if paired:
         keep[impl.name] = fn
-    tf = roofline.tflops(problem.case, op, ms)
-    return {
-        **rec,
-        "status": "ok",
-        "ms": ms,
-        "device_ms": dev_ms,
-        "host_us": issue_us,
-        "tflops": tf,
-        "pct_floor": 100 * tf / rec["floor_tflops"],
-        "timing": timing.method(problem.device, impl.clock),
-    }
+    rec.update(
+        status="ok", device_ms=dev_ms, host_us=issue_us, timing=timing.method(problem.device, impl.clock)
+    )
+    if ms is not None:
+        set_ms(rec, problem.case, op, ms)
+    return rec
+
+
+def set_ms(rec: dict, case: shapes.Case, op: str, ms: float, stats: dict | None = None) -> None:
+    """The headline time of an ok record, its TF/s and share of the roofline floor; ``stats``: the paired
+    clock's quartiles and counts (``timing.paired_stats``)."""
+    tf = roofline.tflops(case, op, ms)
+    rec.update(ms=ms, tflops=tf, pct_floor=100 * tf / rec["floor_tflops"])
+    if stats is not None:
+        rec.update(paired_ms=ms, ms_q25=stats["q25"], ms_q75=stats["q75"], reps=stats["reps"])
 
 
 def add_speedups(records: list[dict]) -> None:
-    """speedup[peer] = peer ms / this ms within each (case, op); vs_torch is the torch._grouped_mm one."""
+    """speedup[peer] = peer ms / this ms within each (case, op, seed), on the headline clock (``ms``: the paired
+    one on a GPU); vs_torch is the torch._grouped_mm one; device_speedup the same on device time."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
-        groups.setdefault((r["case"], r["op"], r["split"]), []).append(r)
+        groups.setdefault((r["case"], r["op"], r["split"], r.get("seed")), []).append(r)
     for group in groups.values():
         ok = [r for r in group if r["status"] == "ok" and r["ms"] is not None]  # check-only: none timed
         for r in ok:
@@ -294,23 +301,28 @@ class RunSpec:
     dtype: torch.dtype = torch.bfloat16
     split: str = "dirichlet"
     seed: int = 0
+    # Routing seeds: each case is run once per seed (its group sizes and data drawn from it); records carry it.
+    seeds: tuple[int, ...] | None = None
     jagged: list[int] | None = None
     timing: timing.TimingConfig = dataclasses.field(default_factory=timing.TimingConfig)
-    # Also time the ok implementations of each (case, op) taking turns call by call (timing.paired_ms):
-    # paired_ms, paired_speedup and paired_vs_torch beside the per-implementation clocks.
+    # The headline clock (timing.paired_stats): the ok implementations of each (case, op) taking turns call by
+    # call; ms is its median (also paired_ms, with ms_q25/ms_q75). Off: each implementation on its own clock.
     paired: bool = False
     # Check every output against the oracle and time nothing (the CPU main job: interpreter times are
     # not performance); records then hold no ms, TF/s or roofline floor, and paired is ignored.
     check_only: bool = False
 
-    def problem(self, case: shapes.Case) -> Problem:
-        """The inputs of ``case`` under this run's device, dtype, split, seed and ops."""
+    def all_seeds(self) -> tuple[int, ...]:
+        return tuple(self.seeds) if self.seeds else (self.seed,)
+
+    def problem(self, case: shapes.Case, seed: int | None = None) -> Problem:
+        """The inputs of ``case`` under this run's device, dtype, split, seed (default ``self.seed``) and ops."""
         return make_problem(
             case,
             device=self.device,
             dtype=self.dtype,
             split=self.split,
-            seed=self.seed,
+            seed=self.seed if seed is None else seed,
             jagged=self.jagged,
             ops=self.ops,
         )
@@ -325,40 +337,45 @@ def run(
     """Every (case, op, impl) of ``spec``; ``on_case(records so far)`` after each case."""
     records = []
     for case in spec.cases:
-        problem = spec.problem(case)
-        for op in spec.ops:
-            reference = lazy(functools.partial(problem.reference, op))
-            kept: dict = {}
-            mine = []
-            for impl in spec.impls:
-                progress(f"{problem.case.name} {op} {impl.name}")
-                keep = kept if spec.paired and not spec.check_only else None
-                mine.append(
-                    measure(
-                        problem,
-                        op,
-                        impl,
-                        env,
-                        tcfg=spec.timing,
-                        reference=reference,
-                        keep=keep,
-                        check_only=spec.check_only,
-                    )
-                )
-            if len(kept) >= 2:
-                progress(f"{problem.case.name} {op} paired")
-                estimate = sum(r["ms"] for r in mine if r["impl"] in kept)
-                paired = timing.paired_ms(kept, spec.device, spec.timing, estimate)
-                for r in mine:
-                    if r["impl"] in paired:
-                        r["paired_ms"] = paired[r["impl"]]
-            records.extend(mine)
-            del reference, kept
+        for seed in spec.all_seeds():
+            records.extend(_run_case(spec, env, case, seed, progress))
             _free(spec.device)
-        del problem
-        _free(spec.device)
         add_speedups(records)
         on_case(records)
+    return records
+
+
+def _run_case(spec: RunSpec, env: Environment, case: shapes.Case, seed: int, progress) -> list[dict]:
+    problem = spec.problem(case, seed)
+    records = []
+    for op in spec.ops:
+        reference = lazy(functools.partial(problem.reference, op))
+        kept: dict = {}
+        mine = []
+        for impl in spec.impls:
+            progress(f"{problem.case.name} {op} {impl.name}" + (f" seed {seed}" if spec.seeds else ""))
+            keep = kept if spec.paired and not spec.check_only else None
+            rec = measure(
+                problem,
+                op,
+                impl,
+                env,
+                tcfg=spec.timing,
+                reference=reference,
+                keep=keep,
+                check_only=spec.check_only,
+            )
+            mine.append({**rec, "seed": seed})
+        if kept:
+            progress(f"{problem.case.name} {op} paired")
+            estimate = timing.round_ms(kept, spec.device)
+            stats = timing.paired_stats(kept, spec.device, spec.timing, estimate)
+            for r in mine:
+                if r["impl"] in stats:
+                    set_ms(r, problem.case, op, stats[r["impl"]]["median"], stats[r["impl"]])
+        records.extend(mine)
+        del reference, kept
+        _free(spec.device)
     return records
 
 
@@ -368,8 +385,10 @@ def _free(device: torch.device) -> None:
 
 
 def steps(spec: RunSpec) -> int:
-    """Progress steps of ``run``: one per (case, op, impl), and one per (case, op) for the paired timing."""
-    return len(spec.cases) * len(spec.ops) * (len(spec.impls) + (spec.paired and not spec.check_only))
+    """Progress steps of ``run``: one per (case, seed, op, impl), and one per (case, seed, op) for the paired
+    timing."""
+    per_seed = len(spec.ops) * (len(spec.impls) + (spec.paired and not spec.check_only))
+    return len(spec.cases) * len(spec.all_seeds()) * per_seed
 
 
 def iter_ok(records: Iterable[dict], impl: str) -> Iterable[dict]:

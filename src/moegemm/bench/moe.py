@@ -11,10 +11,11 @@ Per shape x routing x implementation, in this order:
 - peak memory allocated during one fwd+bwd above what was allocated before it (the inputs),
   ``timing.call_with_peak_mb``; the returned gradients are in it (``grads_gib``, the same for every
   implementation). ``activation_gib``: what a forward leaves allocated for its backward, less its output.
-- times: the forward (autograd on, as in training) and the fwd+bwd, each as the median of
-  ``triton.testing.do_bench`` (``timing.median_ms``: L2 flushed, CUDA events) and as CUPTI device time per call
-  (``timing.device_ms``). TF/s from device time: a forward is 6*T*k*d*n FLOPs, a fwd+bwd three times that, the
-  backward alone (step minus forward) twice.
+- times: the forward (autograd on, as in training) and the fwd+bwd on the headline clock: the in-process
+  implementations of a (shape, routing, seed) take turns call by call, the L2 flushed before each call
+  (``timing.paired_stats``: median and quartiles); CUPTI device time per call beside it (``timing.device_ms``).
+  TF/s from the headline median: a forward is 6*T*k*d*n FLOPs, a fwd+bwd three times that, the backward alone
+  (step minus forward) twice. Every (shape, routing) runs on three seeds by default (``--seeds``).
 
 FP8 (``FP8_PEERS``, named with ``--moe-peers``): ``moe_experts(fp8_recipe=)`` per recipe, with the weights' FP8
 copies cached across calls (``Fp8WeightCache``: the micro-batches of gradient accumulation after the first) or
@@ -23,9 +24,9 @@ record's device ms over theirs, same shape and routing.
 
 Implementations are ``(x, ids, weights, w13, w2) -> out`` with autograd (``IMPLS``): moegemm's fused op, the
 unfused composition on moegemm's grouped GEMM and on ``torch._grouped_mm`` (torchtitan's GroupedExperts glue),
-Liger-Kernel's fused MoE with and without its autotune, and SonicMoE's published H100 figures (not run).
-Liger reads LIGER_FUSED_MOE_AUTOTUNE when its kernels module is imported, so each Liger variant runs in a child
-process of its own with the variable set (``_worker``), on the same seeded inputs.
+Liger-Kernel's fused MoE autotuned (its recommended path; it reads LIGER_FUSED_MOE_AUTOTUNE at import, so the
+variable is set before anything imports it, and ``liger-autotune-off`` runs in a child process of its own),
+SonicMoE live (``moe_peers.sonicmoe``), and SonicMoE's published H100 figures, labelled published (not run).
 
 "moegemm-jax" is ``moegemm.jax.moe_experts`` (``JaxBlock``, ``_measure_jax``), in a child process too (XLA's
 allocator keeps what it grows): the same inputs through DLPack, jitted fwd and fwd+bwd timed on device arrays,
@@ -106,7 +107,6 @@ SHAPES = {
 }
 GPU_DEFAULT = tuple(name for name, s in SHAPES.items() if "gpu" in s.tags)
 TINY = tuple(name for name, s in SHAPES.items() if "tiny" in s.tags)
-LIGER_AUTOTUNE_SHAPE = "qwen3-30b-a3b"  # where the anchors measured autotuned Liger
 
 
 def select_shapes(text: str | None, cuda: bool) -> list[MoEShape]:
@@ -406,9 +406,21 @@ def _moegemm_jax():
 class MoEImpl:
     name: str
     load: Callable[[], Callable] | None  # None: not run (published figures)
-    env: dict | None = None  # run in a child process with these environment variables
+    env: dict | None = None  # environment variables it reads at import (set before anything imports it)
     label: str = ""
     tol: float | None = None  # the correctness gate's bound (None: REL_TOL of the inputs' dtype)
+    # In a child process of its own (``run_child``): JAX (XLA's allocator), or an ``env`` that contradicts
+    # another implementation's in the run. In-process implementations share the paired clock.
+    child: bool = False
+
+
+def _sonicmoe():
+    from moegemm.bench import moe_peers
+
+    try:
+        return moe_peers.sonicmoe()
+    except (ImportError, RuntimeError) as exc:
+        raise Unavailable(str(exc)) from None
 
 
 IMPLS = {
@@ -420,6 +432,7 @@ IMPLS = {
             _moegemm_jax,
             JAX_ENV,
             "moegemm.jax.moe_experts (the same kernels from JAX; jitted, own process)",
+            child=True,
         ),
         MoEImpl("moegemm-unfused", _moegemm_unfused, label="moegemm m_grouped_mm + torch glue"),
         MoEImpl("torch-grouped-mm", _torch_grouped_mm, label="torch._grouped_mm + torch glue"),
@@ -427,14 +440,16 @@ IMPLS = {
             "liger-autotune-off",
             _liger,
             {"LIGER_FUSED_MOE_AUTOTUNE": "0"},
-            "Liger fused MoE (liger-kernel 0.8.5), LIGER_FUSED_MOE_AUTOTUNE=0",
+            "Liger fused MoE, LIGER_FUSED_MOE_AUTOTUNE=0 (own process)",
+            child=True,
         ),
         MoEImpl(
             "liger",
             _liger,
             {"LIGER_FUSED_MOE_AUTOTUNE": "1"},
-            "Liger fused MoE (liger-kernel 0.8.5), autotuned",
+            "Liger fused MoE, autotuned (its recommended path)",
         ),
+        MoEImpl("sonicmoe", _sonicmoe, label="SonicMoE (sonic-moe, CuTe DSL kernels), live"),
         MoEImpl("sonicmoe-published", None, label="SonicMoE, published H100 figures (not run)"),
         *(
             MoEImpl(
@@ -450,7 +465,7 @@ IMPLS = {
     )
 }
 FP8_PEERS = tuple(name for name in IMPLS if name.startswith("moegemm-fp8-"))
-DEFAULT_PEERS = ("moegemm", "moegemm-unfused", "torch-grouped-mm", "liger-autotune-off", "sonicmoe-published")
+DEFAULT_PEERS = ("moegemm", "moegemm-unfused", "torch-grouped-mm", "liger", "sonicmoe", "sonicmoe-published")
 # On CUDA the JAX op too (on ``JAX_DEFAULT_ROUTINGS``); without CUDA it has only the interpreter (name it).
 DEFAULT_PEERS_CUDA = ("moegemm", "moegemm-jax", *DEFAULT_PEERS[1:])
 
@@ -564,9 +579,12 @@ def measure(
     *,
     tcfg,
     check_only: bool,
+    keep: dict | None = None,
 ) -> dict:
     """One record: skipped (cannot run here), failed (an error, or a relative error above REL_TOL), or ok
-    (checked, then syncs, peak and times measured; ``check_only``: checked only)."""
+    (checked, then syncs, peak and device times measured; ``check_only``: checked only). ``keep``: where an ok
+    torch implementation leaves its (fwd, step) callables for the paired clock of ``run_cases``, which fills its
+    headline times; without it (a child process's single implementation) it is timed on its own."""
     from moegemm.bench import timing
 
     device = inp.x.device
@@ -603,7 +621,10 @@ def measure(
             activation_gib=held_by_graph(fwd, device) / 2**30,
             step_wall_ms=wall_ms,
         )
-        _time(rec, shape, fwd, run, device, tcfg, wall_ms, "events")
+        paired = keep is not None and wall_ms <= SLOW_MS
+        _time(rec, shape, fwd, run, device, tcfg, wall_ms, "events", headline=not paired)
+        if paired:
+            keep[impl.name] = (fwd, run)
     except Exception as exc:  # noqa: BLE001
         _free(device)
         return {**rec, "status": "failed", "reason": "timing: " + _reason(exc)}
@@ -630,33 +651,50 @@ def _gate(rec: dict, run: Callable, ref: tuple[torch.Tensor, ...], device: torch
     return None
 
 
-def _time(rec: dict, shape: MoEShape, fwd, run, device, tcfg, wall_ms: float, clock: str) -> None:
-    """fwd and step times into ``rec``: the median by ``clock`` ("events": do_bench; "wall": calls that block
-    themselves) and CUPTI device time per call; TF/s from device time; the backward alone as step minus fwd."""
+def _time(
+    rec: dict, shape: MoEShape, fwd, run, device, tcfg, wall_ms: float, clock: str, *, headline: bool = True
+) -> None:
+    """CUPTI device time per call of the fwd and the step into ``rec`` and, with ``headline``, their time on
+    ``clock`` alone ("events": the paired clock with this implementation as the only one; "wall": calls that block
+    themselves); without it the paired clock of ``run_cases`` fills the headline (``set_times``)."""
     from moegemm.bench import timing
 
     for op, fn in (("fwd", fwd), ("step", run)):
-        if wall_ms > SLOW_MS:  # do_bench's estimate and warm-up alone would take seconds
-            ms = dev = timing.device_ms(fn, device, calls=2)
-            rec[f"{op}_timing"] = "device_ms over 2 calls (slow impl: no do_bench)"
+        if wall_ms > SLOW_MS:  # the paired clock's warm-up and reps alone would take minutes
+            dev = timing.device_ms(fn, device, calls=2)
+            rec[f"{op}_timing"] = "device_ms over 2 calls (slow impl: not on the paired clock)"
+            set_times(rec, shape, op, dev)
         else:
-            ms = timing.median_ms(fn, device, clock, tcfg)
-            rec[f"{op}_timing"] = timing.method(device, clock)
+            if headline and clock == "events":
+                st = timing.paired_stats({op: fn}, device, tcfg, timing.round_ms({op: fn}, device))[op]
+                set_times(rec, shape, op, st["median"], st)
+                rec[f"{op}_timing"] = timing.method(device, clock) + " (alone: no peer in this process)"
+            elif headline:
+                set_times(rec, shape, op, timing.median_ms(fn, device, clock, tcfg))
+                rec[f"{op}_timing"] = timing.method(device, clock)
+            ms = rec.get(f"{op}_ms") or 1.0
             calls = max(3, min(20, int(DEVICE_MS_BUDGET / max(ms, 1e-3))))
             dev = timing.device_ms(fn, device, calls=calls)
-        flops = shape.fwd_flops * (3 if op == "step" else 1)
-        # TF/s from device time (CUPTI; without CUDA, the median): the clock the claims use.
-        clock_ms = dev if dev else ms
-        rec.update({f"{op}_ms": ms, f"{op}_device_ms": dev, f"{op}_tflops": flops / clock_ms / 1e9})
+        rec[f"{op}_device_ms"] = dev
         _free(device)
-    if (
-        rec.get("step_device_ms")
-        and rec.get("fwd_device_ms")
-        and rec["step_device_ms"] > rec["fwd_device_ms"]
-    ):
-        # The backward alone (step minus forward), what SonicMoE's published bwd TF/s counts: 2x the fwd FLOPs.
-        bwd_ms = rec["step_device_ms"] - rec["fwd_device_ms"]
-        rec.update(bwd_device_ms=bwd_ms, bwd_tflops=2 * shape.fwd_flops / bwd_ms / 1e9)
+    _bwd(rec, shape, "device_ms", "bwd_device")
+
+
+def set_times(rec: dict, shape: MoEShape, op: str, ms: float, stats: dict | None = None) -> None:
+    """The headline ms of ``op`` ("fwd" or "step") and its TF/s: a forward is 6*T*k*d*n FLOPs, a fwd+bwd three
+    times that; ``stats``: the paired clock's quartiles and counts. With both, the backward alone (step minus
+    forward, what SonicMoE's published bwd TF/s counts: twice the forward's FLOPs)."""
+    flops = shape.fwd_flops * (3 if op == "step" else 1)
+    rec.update({f"{op}_ms": ms, f"{op}_tflops": flops / ms / 1e9})
+    if stats is not None:
+        rec.update({f"{op}_q25": stats["q25"], f"{op}_q75": stats["q75"], f"{op}_reps": stats["reps"]})
+    _bwd(rec, shape, "ms", "bwd")
+
+
+def _bwd(rec: dict, shape: MoEShape, field: str, out: str) -> None:
+    fwd, step = rec.get(f"fwd_{field}"), rec.get(f"step_{field}")
+    if fwd and step and step > fwd:
+        rec.update({f"{out}_ms": step - fwd, f"{out}_tflops": 2 * shape.fwd_flops / (step - fwd) / 1e9})
 
 
 JAX_SYNCS_NOTE = "not counted: torch's sync debug mode sees torch's CUDA calls only, not XLA's"
@@ -769,38 +807,61 @@ def run_cases(
     device: torch.device,
     *,
     dtype: torch.dtype,
-    seed: int,
+    seeds: tuple[int, ...],
     tcfg,
     check_only: bool,
+    paired: bool = True,
     say: Callable[[str], None] = lambda _: None,
     on_case: Callable[[list[dict]], None] = lambda _: None,
 ) -> list[dict]:
-    """The in-process measurements: per (shape, routing), the oracle once, then each impl; ``on_case(records so
-    far)`` after each (shape, routing)."""
+    """The in-process measurements: per (shape, routing, seed), the oracle once, then each impl, then (``paired``,
+    on CUDA) the ok ones' fwd and then their fwd+bwd on the headline clock, taking turns; ``on_case(records so
+    far)`` after each (shape, routing, seed)."""
+    from moegemm.bench import timing
+
     compute = torch.float64 if device.type == "cpu" else torch.float32
     records = []
     for shape in shapes:
         for routing in routings:
-            start = time.perf_counter()
-            inp = make_inputs(shape, routing, seed, device, dtype)
-            ref = oracle(inp, compute)
-            _free(device)
-            say(f"{shape.name} {routing}: inputs and oracle {time.perf_counter() - start:.1f} s")
-            counts = expert_counts(inp.ids, shape.E)
-            load = {
-                "max_rows": int(counts.max()),
-                "min_rows": int(counts.min()),
-                "mean_rows": shape.T * shape.k / shape.E,
-            }
-            for impl in impls:
-                say(f"{shape.name} {routing} {impl.name}")
-                rec = measure(impl, shape, routing, inp, ref, tcfg=tcfg, check_only=check_only)
-                records.append({**rec, "load": load, "oracle": str(compute).removeprefix("torch.")})
+            for seed in seeds:
+                start = time.perf_counter()
+                inp = make_inputs(shape, routing, seed, device, dtype)
+                ref = oracle(inp, compute)
                 _free(device)
-            del inp, ref
-            _free(device)
-            say(f"{shape.name} {routing}: {time.perf_counter() - start:.1f} s")
-            on_case(records)
+                say(
+                    f"{shape.name} {routing} seed {seed}: inputs and oracle {time.perf_counter() - start:.1f} s"
+                )
+                counts = expert_counts(inp.ids, shape.E)
+                load = {
+                    "max_rows": int(counts.max()),
+                    "min_rows": int(counts.min()),
+                    "mean_rows": shape.T * shape.k / shape.E,
+                }
+                kept: dict = {}
+                keep = kept if paired and not check_only else None
+                mine = []
+                for impl in impls:
+                    say(f"{shape.name} {routing} seed {seed} {impl.name}")
+                    rec = measure(impl, shape, routing, inp, ref, tcfg=tcfg, check_only=check_only, keep=keep)
+                    mine.append(
+                        {**rec, "seed": seed, "load": load, "oracle": str(compute).removeprefix("torch.")}
+                    )
+                    _free(device)
+                for i, op in enumerate(("fwd", "step")):
+                    if not kept:
+                        break
+                    fns = {name: pair[i] for name, pair in kept.items()}
+                    stats = timing.paired_stats(fns, device, tcfg, timing.round_ms(fns, device))
+                    for r in mine:
+                        if r["impl"] in stats:
+                            set_times(r, shape, op, stats[r["impl"]]["median"], stats[r["impl"]])
+                            r[f"{op}_timing"] = timing.method(device) + f" ({len(fns)} implementations)"
+                    _free(device)
+                records.extend(mine)
+                del inp, ref, kept
+                _free(device)
+                say(f"{shape.name} {routing} seed {seed}: {time.perf_counter() - start:.1f} s")
+                on_case(records)
     return records
 
 
@@ -813,7 +874,7 @@ def run_child(
     routings: list[str],
     *,
     dtype: torch.dtype,
-    seed: int,
+    seeds: tuple[int, ...],
     tcfg,
     check_only: bool,
     timeout_s: float | None = None,
@@ -826,7 +887,7 @@ def run_child(
             "shapes": [s.name for s in shapes],
             "routings": routings,
             "dtype": str(dtype).removeprefix("torch."),
-            "seed": seed,
+            "seeds": list(seeds),
             "tcfg": dataclasses.asdict(tcfg),
             "check_only": check_only,
             "out": str(Path(tmp) / "records.json"),
@@ -846,9 +907,15 @@ def run_child(
         if error is None and out.exists():
             return json.loads(out.read_text())
     return [
-        {**_base(s, r, impl.name), "status": "failed", "reason": error or "child wrote no records"}
+        {
+            **_base(s, r, impl.name),
+            "seed": seed,
+            "status": "failed",
+            "reason": error or "child wrote no records",
+        }
         for s in shapes
         for r in routings
+        for seed in seeds
     ]
 
 
@@ -862,9 +929,10 @@ def _worker(spec: dict) -> None:
         [IMPLS[spec["impl"]]],
         device,
         dtype=getattr(torch, spec["dtype"]),
-        seed=spec["seed"],
+        seeds=tuple(spec["seeds"]),
         tcfg=timing.TimingConfig(**spec["tcfg"]),
         check_only=spec["check_only"],
+        paired=device.type == "cuda",
         say=lambda s: print(s, file=sys.stderr, flush=True),
     )
     Path(spec["out"]).write_text(json.dumps(records))
@@ -968,24 +1036,21 @@ def main(args, argv, env, device: torch.device, console) -> int:
     unknown = [p for p in peers if p not in IMPLS]
     if unknown:
         raise SystemExit(f"--moe-peers: unknown {unknown}; known: {', '.join(IMPLS)}")
-    if args.moe_liger_autotune and "liger" not in peers:
-        peers.append("liger")
-    autotune_shapes = [SHAPES[args.moe_liger_autotune]] if args.moe_liger_autotune else []
-    if args.moe_liger_autotune and args.moe_liger_autotune not in SHAPES:
-        raise SystemExit(f"--moe-liger-autotune: unknown shape {args.moe_liger_autotune!r}")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     tcfg = timing.TimingConfig.quick() if args.quick else timing.TimingConfig()
-    out = args.out or report.default_out(env.device, args.name or "moe")
+    from moegemm.bench.__main__ import seeds_arg
+
+    seeds = seeds_arg(args, not check_only)
+    name = args.name or "moe"
+    out = args.out or report.default_out(env.device, name)
     meta = {
-        **report.run_meta(env, check_only, argv),
-        "benchmark": "moe",
+        **report.run_meta(env, check_only, argv, benchmark=name, tcfg=tcfg, seeds=seeds),
         "dtype": args.dtype,
-        "seed": args.seed,
-        "shapes": {s.name: dataclasses.asdict(s) for s in shapes + autotune_shapes},
+        "shapes": {s.name: dataclasses.asdict(s) for s in shapes},
         "routings": routings,
         "routing_params": {"skew": SKEW, "hot_bias": HOT_BIAS},
         "impls": {p: IMPLS[p].label for p in peers},
-        "flops": "fwd 6*T*k*d*n; fwd+bwd 3x; TF/s over the do_bench median",
+        "flops": "fwd 6*T*k*d*n; fwd+bwd 3x, bwd 2x; TF/s over the headline (paired) median; *_device_ms beside",
         "timing": None if check_only else timing.method(device) + (" (--quick)" if args.quick else ""),
         "timing_config": None if check_only else dataclasses.asdict(tcfg),
         "rel_tol": REL_TOL[dtype],
@@ -1004,8 +1069,10 @@ def main(args, argv, env, device: torch.device, console) -> int:
         }
     started = time.perf_counter()
     say = lambda s: console.print(f"[{time.perf_counter() - started:5.0f} s] {s}", highlight=False)  # noqa: E731
-    kw = {"dtype": dtype, "seed": args.seed, "tcfg": tcfg, "check_only": check_only}
-    local = [IMPLS[p] for p in peers if IMPLS[p].load is not None and IMPLS[p].env is None]
+    kw = {"dtype": dtype, "seeds": seeds, "tcfg": tcfg, "check_only": check_only}
+    local = [IMPLS[p] for p in peers if IMPLS[p].load is not None and not IMPLS[p].child]
+    for impl in local:  # before anything imports them (Liger reads its autotune switch at import)
+        os.environ.update(impl.env or {})
     out = Path(out)
 
     def write(records: list[dict], partial: bool) -> None:
@@ -1014,12 +1081,21 @@ def main(args, argv, env, device: torch.device, console) -> int:
         doc = {"meta": {**meta, "partial": partial}, "records": records}
         out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
 
-    records = run_cases(shapes, routings, local, device, say=say, on_case=lambda rs: write(rs, True), **kw)
+    records = run_cases(
+        shapes,
+        routings,
+        local,
+        device,
+        paired=device.type == "cuda",
+        say=say,
+        on_case=lambda rs: write(rs, True),
+        **kw,
+    )
     for p in peers:
         impl = IMPLS[p]
-        if impl.env is None:
+        if not impl.child:
             continue
-        on = autotune_shapes if p == "liger" else shapes
+        on = shapes
         on_routings = routings
         if p == "moegemm-jax":
             on = sorted(on, key=jax_footprint)  # smallest first: each step can raise XLA's peak statistic
@@ -1029,12 +1105,14 @@ def main(args, argv, env, device: torch.device, console) -> int:
                 records += [
                     {
                         **_base(s, r, p),
+                        "seed": seed,
                         "status": "skipped",
                         "reason": f"default peers: {'/'.join(JAX_DEFAULT_ROUTINGS)} routing only "
                         "(wall time); name it in --moe-peers for every routing",
                     }
                     for s in on
                     for r in routings
+                    for seed in seeds
                     if r not in on_routings
                 ]
         if not on:
@@ -1046,11 +1124,13 @@ def main(args, argv, env, device: torch.device, console) -> int:
                 records += [
                     {
                         **_base(s, r, p),
+                        "seed": seed,
                         "status": "skipped",
                         "reason": _reason(exc).removeprefix("Unavailable: "),
                     }
                     for s in on
                     for r in on_routings
+                    for seed in seeds
                 ]
                 continue
         say(f"{p}: child process, {impl.env}")
@@ -1061,10 +1141,10 @@ def main(args, argv, env, device: torch.device, console) -> int:
             write(records, True)
     if "sonicmoe-published" in peers:
         records += [published_record(s, r) for s in shapes for r in routings if s.name in SONIC_PUBLISHED]
-    order = {
-        (s.name, r): i for i, (s, r) in enumerate((s, r) for s in shapes + autotune_shapes for r in routings)
-    }
-    records.sort(key=lambda r: (order.get((r["shape"], r["routing"]), 0), peers.index(r["impl"])))
+    order = {(s.name, r): i for i, (s, r) in enumerate((s, r) for s in shapes for r in routings)}
+    records.sort(
+        key=lambda r: (order.get((r["shape"], r["routing"]), 0), r.get("seed") or 0, peers.index(r["impl"]))
+    )
     add_jax_vs_torch(records)
     add_fp8_speedup(records)
     failed = [

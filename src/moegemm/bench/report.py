@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 from pathlib import Path
 
 from moegemm import shapes
@@ -30,7 +31,10 @@ RECORD_FIELDS = (
     "N",
     "dtype",
     "split",
+    "seed",
     "ms",
+    "ms_q25",
+    "ms_q75",
     "device_ms",
     "host_us",
     "tflops",
@@ -67,13 +71,26 @@ CPU_NOTICE = (
 _MEMORY_WORD = re.compile(r"^(\d+gb|hbm\d*e?)$")
 
 
-def run_meta(env, check_only: bool, argv) -> dict:
-    """The fields every result JSON's meta opens with: the mode, the machine and versions, when and how it ran
-    (``env`` a ``harness.Environment``; argv None: this process's)."""
+def run_meta(
+    env,
+    check_only: bool,
+    argv,
+    *,
+    benchmark: str | None = None,
+    tcfg=None,
+    seeds=None,
+    clock: dict | None = None,
+) -> dict:
+    """The fields every result JSON's meta opens with: what ran (``benchmark``, ``argv``; None: this process's),
+    on which code (``commit``, ``dirty``: ``code_version``), machine and versions, when, and how it was timed
+    (``clock``: default ``timing.clock_meta()``; ``reps``: ``tcfg.meta()``; ``seeds``)."""
     import sys
     import time
 
+    from moegemm.bench import timing
+
     return {
+        "benchmark": benchmark,
         "mode": "correctness" if check_only else "benchmark",
         "performance": not check_only,
         "notice": CPU_NOTICE if check_only else None,
@@ -83,11 +100,47 @@ def run_meta(env, check_only: bool, argv) -> dict:
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "torch": env.torch,
         "triton": env.triton,
+        "jax": _jax_version(),
         "driver": env.driver,
         "cuda": env.cuda,
         "python": sys.version.split()[0],
         "argv": list(sys.argv[1:] if argv is None else argv),
+        **code_version(),
+        "clock": None if check_only else (clock or timing.clock_meta()),
+        "reps": None if check_only or tcfg is None else tcfg.meta(),
+        "seeds": None if seeds is None else list(seeds),
     }
+
+
+def _jax_version() -> str | None:
+    import sys
+
+    jax = sys.modules.get("jax")  # only where this process imported it: importing JAX here would grab a GPU
+    return getattr(jax, "__version__", None)
+
+
+def code_version() -> dict:
+    """{commit, dirty} of the code that runs: ``MOEGEMM_COMMIT`` / ``MOEGEMM_DIRTY`` where set (the GPU machine
+    gets a copy of the working tree without .git, so the caller passes them), else git in this checkout; None
+    where neither says."""
+    import os
+    import subprocess
+
+    commit, dirty = os.environ.get("MOEGEMM_COMMIT"), os.environ.get("MOEGEMM_DIRTY")
+    root = Path(__file__).resolve().parents[3]
+    if commit is None:
+        try:
+            git = ["git", "-C", str(root)]
+            commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+            commit = commit.stdout.strip() or None if commit.returncode == 0 else None
+            if commit is not None and dirty is None:
+                status = subprocess.run(
+                    [*git, "status", "--porcelain", "--", "src"], capture_output=True, text=True, timeout=10
+                )
+                dirty = "1" if status.stdout.strip() else "0"
+        except (OSError, subprocess.SubprocessError):
+            commit = None
+    return {"commit": commit, "dirty": None if dirty is None else dirty not in ("0", "", "false")}
 
 
 def results_slug(device_name: str) -> str:
@@ -246,11 +299,23 @@ def summary(records: list[dict]) -> dict:
     }
 
 
+def _over_seeds(mine: list[dict], field: str) -> list[float]:
+    """``field`` of each (case, op): the median over the run's seeds of the records that have it."""
+    by_key: dict = {}
+    for r in mine:
+        if r.get(field) is not None:
+            by_key.setdefault((r["case"], r["op"]), []).append(r[field])
+    return [statistics.median(v) for _, v in sorted(by_key.items())]
+
+
 def _counts(records: list[dict]) -> dict:
     mine = [r for r in records if r["impl"] == SUBJECT and r["status"] == "ok"]
-    ratios = [r["vs_torch"] for r in mine if r["vs_torch"] is not None]
+    ratios = _over_seeds(mine, "vs_torch")
     keys = {(r["case"], r["op"]) for r in records}
     both = [r for r in mine if r["vs_torch"] is not None]
+    device_ratios = _over_seeds(
+        [{**r, "dv": (r.get("device_speedup") or {}).get(TORCH_PEER)} for r in mine], "dv"
+    )
     return {
         "case_ops": len(keys),
         "moegemm_ok": len(mine),
@@ -261,13 +326,17 @@ def _counts(records: list[dict]) -> dict:
         "ge_85pct_floor": sum(r["pct_floor"] >= GOAL_PCT_FLOOR for r in mine),
         "both": sum(r["vs_torch"] >= 1.0 and r["pct_floor"] >= GOAL_PCT_FLOOR for r in both),
         "worst_vs_torch": min(ratios) if ratios else None,
+        "device_geomean_vs_torch": math.exp(sum(map(math.log, device_ratios)) / len(device_ratios))
+        if device_ratios
+        else None,
+        "seeds": sorted({r.get("seed") for r in mine if r.get("seed") is not None}),
         **_paired_counts(mine),
     }
 
 
 def _paired_counts(mine: list[dict]) -> dict:
     """The same comparison on the paired clock, where the run has it (RunSpec.paired)."""
-    ratios = [r["paired_vs_torch"] for r in mine if r.get("paired_vs_torch") is not None]
+    ratios = _over_seeds(mine, "paired_vs_torch")
     if not ratios:
         return {}
     return {

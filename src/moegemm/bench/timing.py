@@ -1,11 +1,12 @@
 """Timing and memory of one callable.
 
-GPU ("events"): ``triton.testing.do_bench`` (CUDA events on the current stream, warm-up runs
-excluded, the L2 flushed before every run, median). "wall": median perf_counter of calls that block
-themselves (JAX's block_until_ready). CPU: median of a few perf_counter runs; not meaningful for
-performance, it only proves the path runs. Beside that ``ms``, every implementation also gets
-``device_ms`` (GPU time from a CUPTI trace, the same clock for torch and JAX) and ``host_us`` (host
-time to issue one call without waiting for it).
+The headline clock (``paired_stats``): the paired CUDA-event median. Every implementation of a comparison is
+warmed, then timed call by call in turns (A, B, C, A, B, C, ...), the L2 flushed before every timed call, CUDA
+events around each call with no sync in between; the median per implementation, with its quartiles. Beside it,
+never instead of it: ``device_ms`` (the summed GPU time of every kernel in a CUPTI trace of back-to-back calls:
+no host gaps, no L2 flush, the one clock torch and JAX share) and ``host_us`` (host time to issue one call).
+"wall": median perf_counter of calls that block themselves (JAX's block_until_ready). CPU: perf_counter, not
+meaningful for performance, it only proves the path runs.
 """
 
 from __future__ import annotations
@@ -16,22 +17,58 @@ import time
 
 import torch
 
+HEADLINE = "paired CUDA-event median, L2 flushed before every call, implementations taking turns call by call"
+DEVICE_CLOCK = (
+    "device_ms: summed GPU time of every kernel in a CUPTI trace of back-to-back calls (no L2 flush)"
+)
+HOST_CLOCK = "host_us: median host time to issue one call, the device drained before each"
+SMALL_MS = 1.0  # a call under this is a small problem: it gets at least min_reps timed calls
+
 
 @dataclasses.dataclass(frozen=True)
 class TimingConfig:
     warmup_ms: float = 25.0
     rep_ms: float = 100.0
     cpu_reps: int = 3
+    min_warmup: int = 10  # warm-up calls of each implementation, at least
+    min_reps: int = 100  # timed calls of each implementation on a small problem (< SMALL_MS), at least
+    min_reps_large: int = 20  # ... on a larger one, where rep_ms buys fewer
+    max_reps: int = 500
 
     @classmethod
     def quick(cls) -> TimingConfig:
         return cls(warmup_ms=10.0, rep_ms=40.0, cpu_reps=1)
 
+    def counts(self, n_impls: int, estimate_ms: float) -> tuple[int, int]:
+        """(warm-up calls, timed calls) of each of ``n_impls`` implementations whose calls take ``estimate_ms``
+        together: the ms budgets, within the minimums above."""
+        per_call = max(estimate_ms, 1e-3) / max(n_impls, 1)
+        warmup = max(self.min_warmup, int(self.warmup_ms / per_call))
+        floor = self.min_reps if per_call < SMALL_MS else self.min_reps_large
+        return warmup, max(floor, min(self.max_reps, int(self.rep_ms / per_call)))
+
+    def meta(self) -> dict:
+        """The ``reps`` entry of a result file's meta."""
+        return {
+            "warmup": self.min_warmup,
+            "reps": self.min_reps,
+            "reps_large": self.min_reps_large,
+            "small_ms": SMALL_MS,
+            "max_reps": self.max_reps,
+            "warmup_ms": self.warmup_ms,
+            "rep_ms": self.rep_ms,
+        }
+
+
+def clock_meta() -> dict:
+    """The ``clock`` entry of a result file's meta."""
+    return {"headline": HEADLINE, "beside": [DEVICE_CLOCK, HOST_CLOCK]}
+
 
 def method(device: torch.device, clock: str = "events") -> str:
     if device.type == "cpu":
         return "perf_counter median (CPU: not meaningful)"
-    return "cuda-events median (triton do_bench)" if clock == "events" else "wall-clock median (blocking)"
+    return HEADLINE if clock == "events" else "wall-clock median (blocking)"
 
 
 def median_ms(fn, device: torch.device, clock: str, cfg: TimingConfig) -> float:
@@ -45,12 +82,17 @@ def median_ms(fn, device: torch.device, clock: str, cfg: TimingConfig) -> float:
 
 
 def paired_ms(fns: dict, device: torch.device, cfg: TimingConfig, estimate_ms: float) -> dict:
-    """Median ms of each callable in ``fns``, the callables taking turns call by call: a drift of the
-    clock over the run (on the H100, up to 10% between two blocks of do_bench of the same kernel,
-    docs/design.md, 'Benchmarks') then moves every implementation alike instead of whichever was timed in the
-    slow block. As do_bench: warm-up calls, the L2 flushed before each timed call, CUDA events recorded
-    without a sync in between, one sync at the end. ``estimate_ms``: one call of each, summed (sizes the reps
-    to ``cfg.rep_ms`` per implementation). CPU: perf_counter around each call (not meaningful)."""
+    """Median ms of each callable in ``fns`` on the headline clock (``paired_stats``)."""
+    return {name: st["median"] for name, st in paired_stats(fns, device, cfg, estimate_ms).items()}
+
+
+def paired_stats(fns: dict, device: torch.device, cfg: TimingConfig, estimate_ms: float) -> dict:
+    """The headline clock: per callable in ``fns``, {median, q25, q75, reps, warmup} ms, the callables taking
+    turns call by call, so a drift of the clock over the run (on the H100, up to 10% between two blocks of
+    do_bench of the same kernel, docs/design.md, 'Benchmarks') moves every implementation alike instead of
+    whichever was timed in the slow block. Warm-up calls, the L2 flushed before each timed call, CUDA events
+    recorded without a sync in between, one sync at the end. ``estimate_ms``: one call of each, summed (sizes
+    warm-up and reps, ``TimingConfig.counts``). CPU: perf_counter around each call (not meaningful)."""
     names = list(fns)
     if device.type != "cuda":
         times = {name: [] for name in names}
@@ -59,11 +101,10 @@ def paired_ms(fns: dict, device: torch.device, cfg: TimingConfig, estimate_ms: f
                 start = time.perf_counter()
                 fns[name]()
                 times[name].append((time.perf_counter() - start) * 1e3)
-        return {name: statistics.median(t) for name, t in times.items()}
-    calls_per_ms = len(fns) / max(estimate_ms, 1e-3)  # calls of one implementation per ms of budget
-    reps = max(10, min(500, int(cfg.rep_ms * calls_per_ms)))
+        return {name: _stats(t, 0) for name, t in times.items()}
+    warmup, reps = cfg.counts(len(names), estimate_ms)
     flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
-    for _ in range(max(1, int(cfg.warmup_ms * calls_per_ms) // len(fns))):
+    for _ in range(warmup):
         for name in names:
             fns[name]()
     events = {name: [] for name in names}
@@ -76,7 +117,18 @@ def paired_ms(fns: dict, device: torch.device, cfg: TimingConfig, estimate_ms: f
             end.record()
             events[name].append((start, end))
     torch.cuda.synchronize(device)
-    return {name: statistics.median(s.elapsed_time(e) for s, e in pairs) for name, pairs in events.items()}
+    return {name: _stats([s.elapsed_time(e) for s, e in pairs], warmup) for name, pairs in events.items()}
+
+
+def _stats(times: list[float], warmup: int) -> dict:
+    q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+    return {
+        "median": statistics.median(times),
+        "q25": q[0],
+        "q75": q[2],
+        "reps": len(times),
+        "warmup": warmup,
+    }
 
 
 def round_ms(fns: dict, device: torch.device) -> float:
