@@ -414,13 +414,16 @@ class MoEImpl:
     child: bool = False
 
 
-def _sonicmoe():
-    from moegemm.bench import moe_peers
+def _sonicmoe(layout: str) -> Callable[[], Callable]:
+    def load():
+        from moegemm.bench import moe_peers
 
-    try:
-        return moe_peers.sonicmoe()
-    except (ImportError, RuntimeError) as exc:
-        raise Unavailable(str(exc)) from None
+        try:
+            return moe_peers.sonicmoe(layout=layout)
+        except (ImportError, RuntimeError) as exc:
+            raise Unavailable(str(exc)) from None
+
+    return load
 
 
 IMPLS = {
@@ -449,7 +452,16 @@ IMPLS = {
             {"LIGER_FUSED_MOE_AUTOTUNE": "1"},
             "Liger fused MoE, autotuned (its recommended path)",
         ),
-        MoEImpl("sonicmoe", _sonicmoe, label="SonicMoE (sonic-moe, CuTe DSL kernels), live"),
+        MoEImpl(
+            "sonicmoe",
+            _sonicmoe("interleaved"),
+            label="SonicMoE live, its own parameter layout (gate/up rows interleaved, made once per weight version)",
+        ),
+        MoEImpl(
+            "sonicmoe-concat",
+            _sonicmoe("concat"),
+            label="SonicMoE live, concat_layout=True (moegemm's [gate; up] rows, no copy)",
+        ),
         MoEImpl("sonicmoe-published", None, label="SonicMoE, published H100 figures (not run)"),
         *(
             MoEImpl(
@@ -465,7 +477,15 @@ IMPLS = {
     )
 }
 FP8_PEERS = tuple(name for name in IMPLS if name.startswith("moegemm-fp8-"))
-DEFAULT_PEERS = ("moegemm", "moegemm-unfused", "torch-grouped-mm", "liger", "sonicmoe", "sonicmoe-published")
+DEFAULT_PEERS = (
+    "moegemm",
+    "moegemm-unfused",
+    "torch-grouped-mm",
+    "liger",
+    "sonicmoe",
+    "sonicmoe-concat",
+    "sonicmoe-published",
+)
 # On CUDA the JAX op too (on ``JAX_DEFAULT_ROUTINGS``); without CUDA it has only the interpreter (name it).
 DEFAULT_PEERS_CUDA = ("moegemm", "moegemm-jax", *DEFAULT_PEERS[1:])
 
