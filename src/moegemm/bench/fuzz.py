@@ -21,9 +21,9 @@ The twin of a case (``twin``): the same G, M, split and seed, K and N each moved
 16 (at least 16; a tie goes up: 16-byte rows in FP8 and BF16). torch._grouped_mm refuses BF16 rows that are not 16-byte aligned (K or N
 not a multiple of 8): there the reference is moegemm on the twin (target: >= 0.6x the twin's TF/s); where
 torch accepts, the reference is torch on the same shape (target: >= 0.95x). Twins are timed only where
-they are the reference, unless ``--fuzz-twins all``. In the FP8 fuzz, torch._scaled_grouped_mm (rowwise,
-fast accumulation) is the peer of fwd and dgrad where K and N are multiples of 16, and the wgrad is always
-measured against its twin.
+they are the reference, unless ``--fuzz-twins all``. In the FP8 fuzz, torch._scaled_grouped_mm with the same
+recipe on the same quantized operands (fast accumulation; ``fp8.scaled_grouped_mm_peer``) is the peer of fwd
+and dgrad where K and N are multiples of 16, and the wgrad is always measured against its twin.
 
 Each (case, op) is checked before it is timed (``harness.measure``: NaN-poisoned outputs, the fp32 oracle;
 FP8: the dequantized fp32 product, as ``fp8`` checks), then timed on the headline clock: moegemm and its
@@ -297,15 +297,22 @@ def warm(jobs: list[dict], workers: int, say: Callable[[str], None]) -> dict:
 
 
 def _fp8_calls(recipe, x, w, dy, gs, sizes) -> dict:
-    """op -> (moegemm's call, its dequantized fp32 reference) for one recipe; fast accumulation for fwd and
-    dgrad (fp8.py's wgrad is promoted only)."""
+    """op -> (moegemm's call, its dequantized fp32 reference, torch's ``fp8.Peer`` of the same recipe on the
+    same quantized operands) for one recipe; fast accumulation for fwd and dgrad (fp8.py's wgrad is promoted
+    only)."""
     from moegemm.bench import fp8
     from moegemm.torch import quantize_fp8
 
     x_q = quantize_fp8(x, recipe, group_sizes=gs, transpose=True)
     w_q = quantize_fp8(w, recipe, transpose=True)
     dy_q = quantize_fp8(dy, recipe, group_sizes=gs, transpose=True)
-    return {op: fp8._op_calls(op, op != "wgrad", x_q, w_q, dy_q, gs, sizes) for op in fp8.OPS}
+    return {
+        op: (
+            *fp8._op_calls(op, op != "wgrad", x_q, w_q, dy_q, gs, sizes),
+            fp8.scaled_grouped_mm_peer(op, recipe, x_q, w_q, dy_q, sizes),
+        )
+        for op in fp8.OPS
+    }
 
 
 # ---------------------------------------------------------------- measuring
@@ -427,35 +434,35 @@ class Fuzz:
         return out
 
     def _fp8(self, case, fc, ops, accepts) -> list[dict]:
-        from moegemm.bench import fp8, harness
+        """Each recipe's moegemm call against torch._scaled_grouped_mm with the same recipe on the same
+        quantized operands (``fp8.scaled_grouped_mm_peer``; none where torch lacks the recipe): both checked
+        before they are timed, every checked call taking turns."""
+        from moegemm.bench import fp8
 
         sizes, gs, x, w, dy = fp8.inputs(case, self.device, fc.seed, split=fc.split)
         calls = {recipe: _fp8_calls(recipe, x, w, dy, gs, sizes) for recipe in FP8_RECIPES}
         out = []
         for op in ops:
-            fns, checks = {}, {}
+            fns, checks, peers = {}, {}, {}
             for recipe in FP8_RECIPES:
-                fn, ref = calls[recipe][op]
+                fn, ref, peer = calls[recipe][op]
                 checks[recipe] = _check(
                     lambda fn=fn, ref=ref: (fn(), ref()), _out_bytes(case, op), self.device
                 )
                 if checks[recipe]["status"] == "ok" and not self.check_only:
                     fns[recipe] = fn
-            peer = None
-            if accepts and op != "wgrad" and not self.check_only:
-                try:
-                    tfn, tref = fp8.scaled_grouped_mm_call(op, x, w, dy, sizes)
-                    peer = _check(
-                        lambda tfn=tfn, tref=tref: (tfn(), tref()), _out_bytes(case, op), self.device
-                    )
-                except Exception as exc:  # noqa: BLE001 - a refusal is a result
-                    peer = {"status": "failed", "reason": harness._reason(exc), "relerr": None}
-                if peer["status"] == "ok":
-                    fns["torch"] = tfn
+                if not accepts or op == "wgrad" or self.check_only:
+                    continue
+                if peer.skip:
+                    peers[recipe] = {"status": "skipped", "reason": peer.skip, "relerr": None}
+                    continue
+                peers[recipe] = _check(lambda p=peer: (p.fn(), p.ref()), _out_bytes(case, op), self.device)
+                if peers[recipe]["status"] == "ok":
+                    fns[f"torch-{recipe}"] = peer.fn
             ms = self._time(fns)
             for recipe in FP8_RECIPES:
-                c = checks[recipe]
-                compared = peer is not None  # torch's rowwise is the peer of both recipes
+                c, peer = checks[recipe], peers.get(recipe)
+                t_ms = ms.get(f"torch-{recipe}")
                 out.append(
                     {
                         "op": op,
@@ -468,12 +475,13 @@ class Fuzz:
                         "moegemm_ms": ms.get(recipe),
                         "moegemm_device_ms": self.beside.get(recipe),
                         "moegemm_tflops": _tflops(case, op, ms.get(recipe)),
-                        "torch_status": peer["status"] if compared else None,
-                        "torch_reason": peer["reason"] if compared else None,
-                        "torch_relerr": peer["relerr"] if compared else None,
-                        "torch_ms": ms.get("torch") if compared else None,
-                        "torch_device_ms": self.beside.get("torch") if compared else None,
-                        "torch_tflops": _tflops(case, op, ms.get("torch")) if compared else None,
+                        "torch_recipe": None if peer is None else recipe,
+                        "torch_status": None if peer is None else peer["status"],
+                        "torch_reason": None if peer is None else peer["reason"],
+                        "torch_relerr": None if peer is None else peer["relerr"],
+                        "torch_ms": t_ms,
+                        "torch_device_ms": self.beside.get(f"torch-{recipe}"),
+                        "torch_tflops": _tflops(case, op, t_ms),
                     }
                 )
         del calls, x, w, dy
