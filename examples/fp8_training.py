@@ -21,8 +21,8 @@ seed:
 
 Usage (GPU):
 
-    python examples/fp8_training.py --steps 300 --seeds 3 --out benchmarks/results/nvidia-h100/fp8-loss
-    python examples/fp8_training.py --task classification --out benchmarks/results/nvidia-h200/fp8-loss-ce
+    python examples/fp8_training.py --steps 300 --seeds 3 --out /tmp/fp8-loss
+    python examples/fp8_training.py --task classification --out /tmp/fp8-loss-ce
 """
 
 from __future__ import annotations
