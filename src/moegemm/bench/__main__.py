@@ -263,6 +263,7 @@ def main(argv=None) -> int:
             [shapes.get(name) for name in _csv(args.fp8_step_cases)],
             tune_dir=(args.cache_dir or configs.CACHE_DIR) if args.tune else None,
             tune_modes=_csv(args.fp8_tune_modes),
+            name=args.name or "fp8",
         )
         return 1 if result.get("failed") else 0
     impls = registry.select(_csv(args.impls) or (["moegemm"] if args.tune else None))

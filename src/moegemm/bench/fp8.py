@@ -789,7 +789,12 @@ def summarize_steps(records: list[dict]) -> list[dict]:
 
 
 def meta(
-    device: torch.device, check_only: bool, cfg: timing.TimingConfig, step_seeds=(), micro_batches=()
+    device: torch.device,
+    check_only: bool,
+    cfg: timing.TimingConfig,
+    step_seeds=(),
+    micro_batches=(),
+    name: str = "fp8",
 ) -> dict:
     """The run's description at the top of the JSON (``report.run_meta``) with the FP8 tolerances and what
     torch's peer runs per recipe."""
@@ -797,7 +802,7 @@ def meta(
 
     env = harness.Environment.detect(device)
     return {
-        **report.run_meta(env, check_only, None, benchmark="fp8", tcfg=cfg, seeds=list(step_seeds) or None),
+        **report.run_meta(env, check_only, None, benchmark=name, tcfg=cfg, seeds=list(step_seeds) or None),
         "tolerance": TOLERANCE,
         "step_tolerance": STEP_TOLERANCE,
         "step": {
@@ -822,6 +827,7 @@ def run(
     micro_batches=MICRO_BATCHES,
     step_seeds=None,
     step_modes=STEP_MODES,
+    name: str = "fp8",
 ) -> dict:
     """The FP8 benchmark; with ``tune_dir``, first times every candidate config per (case, op,
     recipe, accumulation mode) and merges the winners into ``tune_dir``/<device>.json (loaded by
@@ -854,7 +860,7 @@ def run(
         console.print(f"[bold]GroupedLinear step[/] {case.name}")
         bench.grouped_linear_step(case, micro_batches, step_seeds, step_modes, ("bf16", *recipes))
     if bench.check_only:
-        return _finish_check(console, bench, out, step_cases, step_seeds)
+        return _finish_check(console, bench, out, step_cases, step_seeds, name)
     fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
     table = Table(title="FP8 grouped GEMMs (paired CUDA-event median; CUPTI device time beside)")
     cols = ("case", "op", "impl", "recipe", "fast", "ms", "device ms", "TF/s", "q+gemm ms", "% floor")
@@ -897,7 +903,9 @@ def run(
     failed = [r for r in bench.rows if r.status == "failed" and not r.impl.startswith(("torch", "dense"))]
     failed += [s for s in bench.extra["grouped_linear_step"] if s["status"] == "failed"]
     result = {
-        "meta": meta(device, False, cfg, *((step_seeds, micro_batches) if step_cases else ())),
+        "meta": meta(
+            device, False, cfg, *((step_seeds, micro_batches) if step_cases else ((), ())), name=name
+        ),
         "rows": [dataclasses.asdict(r) for r in bench.rows],
         **bench.extra,
         "failed": len(failed),
@@ -909,7 +917,9 @@ def run(
     return result
 
 
-def _finish_check(console, bench: Fp8Bench, out: Path | None, step_cases=(), step_seeds=()) -> dict:
+def _finish_check(
+    console, bench: Fp8Bench, out: Path | None, step_cases=(), step_seeds=(), name: str = "fp8"
+) -> dict:
     """The end of a check-only (CPU) run: each FP8 GEMM's error against the dequantized fp32 product and
     each training step's against the fp64 oracle, with its weight quantizes per optimizer step."""
     from rich.table import Table
@@ -934,7 +944,9 @@ def _finish_check(console, bench: Fp8Bench, out: Path | None, step_cases=(), ste
     verdict = "FAIL" if failed else "PASS"
     console.print(f"correctness {verdict}: {checked - len(failed)}/{checked} within tolerance")
     result = {
-        "meta": meta(bench.device, True, bench.cfg, *((step_seeds, (1,)) if step_cases else ())),
+        "meta": meta(
+            bench.device, True, bench.cfg, *((step_seeds, (1,)) if step_cases else ((), ())), name=name
+        ),
         "rows": [dataclasses.asdict(r) for r in bench.rows],
         "grouped_linear_step": bench.extra["grouped_linear_step"],
         "failed": len(failed),
