@@ -1394,3 +1394,34 @@ def test_grouped_linear_fp8_cuda_graph_replay(recipe):
         want = module(x2, gs, is_first_microbatch=False)
         want.sum().backward()
         assert torch.equal(got_y, want.detach()) and torch.equal(got_dx, x2.grad), f"replay {sizes}"
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda p: torch.optim.AdamW([p], lr=0.5, fused=True),
+        lambda p: torch.optim.SGD([p], lr=0.5, momentum=0.9),
+        lambda p: torch.optim.AdamW([p], lr=0.5, foreach=True),
+    ],
+    ids=["adamw-fused", "sgd-momentum", "adamw-foreach"],
+)
+def test_weight_cache_requantizes_after_every_optimizer_step(make_optimizer):
+    """A fused optimizer writes the weight without bumping its _version (torch._fused_adamw_): the cache still
+    makes a new FP8 copy after each step, equal to a fresh quantize of the updated weight, and keeps it across the
+    step's micro-batches. Before the optimizer-step count was in its key, the fused cases served the first copy
+    for the rest of training."""
+    from moegemm.torch import Fp8WeightCache
+
+    w = torch.nn.Parameter(torch.randn(2, 32, 64, dtype=torch.bfloat16))
+    opt, cache = make_optimizer(w), Fp8WeightCache()
+    for _ in range(3):
+        first = cache.get(w, "tensorwise", "reference")
+        assert cache.get(w, "tensorwise", "reference") is first  # micro-batches of one step share it
+        fresh = Fp8WeightCache().get(w, "tensorwise", "reference")
+        assert torch.equal(first[0].view(torch.uint8), fresh[0].view(torch.uint8))
+        assert torch.equal(first[1], fresh[1])
+        w.grad = torch.randn_like(w)
+        opt.step()
+    assert not torch.equal(
+        cache.get(w, "tensorwise", "reference")[0].view(torch.uint8), first[0].view(torch.uint8)
+    )

@@ -40,6 +40,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from moegemm._src import fp8
 from moegemm._src.torch import ops as _ops
@@ -84,13 +85,29 @@ class _Fp8Settings:
     fprop_fast_accum: bool = True
 
 
+# torch.optim steps taken in this process. A fused optimizer (``fused=True``: torch._fused_adamw_, the default
+# of torchtitan's) writes the parameters without bumping their ``_version``, so the version alone would keep a
+# stale FP8 copy for the rest of training (docs/design.md, 'FP8 weight cache'). Every torch.optim.Optimizer's
+# step, fused or a subclass's own, runs the global post hooks.
+_OPTIMIZER_STEPS = [0]
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    _OPTIMIZER_STEPS[0] += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
+
+
 class Fp8WeightCache:
     """A weight's quantized copy (``quantize_weight_views``: e4m3 data, scale and the dgrad copy), reused while
     the weight is unchanged.
 
-    Valid while ``weight._version`` (bumped by every in-place update: optimizer steps, copy_, zero_) and its
-    storage are those it was made from, so a stale copy is never used. ``refresh`` forces a new one (TE's
-    ``is_first_microbatch=True``); ``reuse`` takes the cached copy without the check
+    Valid while no torch.optim optimizer has stepped since it was made (fused optimizers leave ``_version``
+    alone), and ``weight._version`` (bumped by in-place updates: copy_, zero_, unfused optimizers) and its
+    storage are those it was made from: micro-batches of one optimizer step share one copy. An update outside
+    both (writes through ``.data``, a kernel of one's own) needs ``refresh`` or ``clear``. ``refresh`` forces a
+    new one (TE's ``is_first_microbatch=True``); ``reuse`` takes the cached copy without the check
     (``is_first_microbatch=False``).
     """
 
@@ -101,7 +118,7 @@ class Fp8WeightCache:
     def get(
         self, weight: torch.Tensor, recipe: str, backend: str, *, refresh: bool = False, reuse: bool = False
     ):
-        key = (weight._version, weight.data_ptr(), weight.device, recipe, backend)
+        key = (weight._version, _OPTIMIZER_STEPS[0], weight.data_ptr(), weight.device, recipe, backend)
         if reuse and self.storage is not None:
             return self.storage
         if refresh or self.key != key or self.storage is None:
