@@ -48,10 +48,11 @@ HARNESS = (
     "src/moegemm/bench/impls_torch.py",
 )
 FP8 = ("src/moegemm/bench/fp8.py",)
+# The FP8 weight cache (Fp8WeightCache), which the BF16 expert block never runs.
+FP8_WEIGHTS = ("src/moegemm/torch/grouped_linear.py",)
 MOE = (
     "src/moegemm/_src/moe.py",
     "src/moegemm/torch/moe.py",
-    "src/moegemm/torch/grouped_linear.py",  # Fp8WeightCache
     "src/moegemm/bench/moe.py",
     "src/moegemm/bench/moe_peers.py",
     "src/moegemm/bench/harness.py",
@@ -63,11 +64,11 @@ TIMED = {
     "jax": KERNELS + TORCH + JAX + HARNESS + ("src/moegemm/bench/impls_jax.py",),
     "fuzz": KERNELS + TORCH + HARNESS + ("src/moegemm/bench/fuzz.py",),
     "fuzz-fp8": KERNELS + TORCH + HARNESS + FP8 + ("src/moegemm/bench/fuzz.py",),
-    "fp8": KERNELS + TORCH + FP8,
-    "fp8-step": KERNELS + TORCH + FP8 + ("src/moegemm/torch/grouped_linear.py",),
+    "fp8": KERNELS + TORCH + FP8 + FP8_WEIGHTS,  # its GroupedLinear step (--fp8-step-cases) too
+    "fp8-step": KERNELS + TORCH + FP8 + FP8_WEIGHTS,
     "fp8-jax": KERNELS + TORCH + JAX + ("src/moegemm/bench/fp8_jax.py",),
     "moe": KERNELS + TORCH + MOE,
-    "moe-fp8": KERNELS + TORCH + MOE,
+    "moe-fp8": KERNELS + TORCH + MOE + FP8_WEIGHTS,
     "moe-jax": KERNELS + TORCH + JAX + MOE + ("src/moegemm/jax/moe.py",),
     "ep": KERNELS + TORCH + MOE + ("src/moegemm/bench/ep.py",),
 }

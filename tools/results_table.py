@@ -701,7 +701,10 @@ def render(results: list[Result]) -> str:
                 commit,
                 clock_text(r.meta),
             ]
-            out.append("| " + " | ".join(cell(c) for c in row) + " | " + spec.summary(r.records) + " |")
+            summary = spec.summary(r.records)
+            if r.meta.get("partial"):  # the bench checkpoints after each case; a time limit ended this one
+                summary += f"<br>partial run: stopped before all of argv's cases ran ({cell(' '.join(r.meta['argv']))})"
+            out.append("| " + " | ".join(cell(c) for c in row) + " | " + summary + " |")
             lines = spec.detail(r.records)
             if lines:
                 details += ["", f"### {slug} / {r.meta['benchmark']}", "", *lines]
