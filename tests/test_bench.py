@@ -419,20 +419,24 @@ def test_paired_timing_alternates_the_implementations():
     assert calls == ["a", "b"] * 4
 
 
-def test_paired_records_and_summary():
-    """A timed run with paired on (the GPU default): every ok implementation of a case-op gets paired_ms,
-    moegemm's paired_vs_torch is its paired speedup over torch._grouped_mm, and the summary reports the
-    paired geomean. Driven through the harness here: the CPU CLI times nothing."""
+def _paired_spec() -> harness.RunSpec:
+    """A loop of torch.mm against torch._grouped_mm on one tiny case-op, on the paired clock (its CPU form)."""
     registry.load_impls()
-    impls = [registry.REGISTRY["loop-torch.mm"], registry.REGISTRY["torch._grouped_mm"]]
-    spec = harness.RunSpec(
+    return harness.RunSpec(
         cases=[shapes.get("tiny-qwen3-fc2")],
         ops=["fwd"],
-        impls=impls,
+        impls=[registry.REGISTRY["loop-torch.mm"], registry.REGISTRY["torch._grouped_mm"]],
         device=torch.device("cpu"),
         timing=timing.TimingConfig.quick(),
         paired=True,
     )
+
+
+def test_paired_records_and_summary():
+    """A timed run with paired on (the GPU default): every ok implementation of a case-op gets paired_ms,
+    moegemm's paired_vs_torch is its paired speedup over torch._grouped_mm, and the summary reports the
+    paired geomean. Driven through the harness here: the CPU CLI times nothing."""
+    spec = _paired_spec()
     records = {r["impl"]: r for r in harness.run(spec, _env())}
     assert all(r["status"] == "ok" and r["ms"] > 0 and r["paired_ms"] > 0 for r in records.values())
     loop, peer = records["loop-torch.mm"], records["torch._grouped_mm"]
@@ -450,18 +454,9 @@ def test_paired_records_and_summary():
 def test_seeds_each_get_records_and_the_summary_takes_their_median():
     """RunSpec.seeds runs every case once per routing seed (each its own group sizes); the summary's ratio of a
     case-op is the median over the seeds."""
-    registry.load_impls()
-    impls = [registry.REGISTRY["loop-torch.mm"], registry.REGISTRY["torch._grouped_mm"]]
-    spec = harness.RunSpec(
-        cases=[shapes.get("tiny-qwen3-fc2")],
-        ops=["fwd"],
-        impls=impls,
-        device=torch.device("cpu"),
-        timing=timing.TimingConfig.quick(),
-        paired=True,
-        seeds=(0, 1, 2),
-    )
-    records = harness.run(spec, _env())
+    spec = _paired_spec()
+    impls = spec.impls
+    records = harness.run(dataclasses.replace(spec, seeds=(0, 1, 2)), _env())
     assert sorted((r["impl"], r["seed"]) for r in records) == sorted(
         (i.name, s) for i in impls for s in (0, 1, 2)
     )
