@@ -247,6 +247,32 @@ class JaxOpsTest:
         w_full[effective : effective + 2] = f64(w)
         assert_close(out, oracle.m_grouped_mm(x, w_full, global_sizes), F32, name)
 
+    @pytest.mark.parametrize(
+        "sizes, offset",
+        [([2**32 + 2, 5, 1], 2**32), ([-(2**32) + 2, 5, 1], -(2**32) + 2), ([3, 2**40, -(2**33)], 2**33)],
+        ids=["past 2**32", "below -2**32", "2**40"],
+    )
+    def test_int64_sizes_and_offset_clamp_before_the_int32_cast(self, sizes, offset):
+        """Under jax_enable_x64, int64 group sizes and group_offset clamp in int64 (sizes to [0, M], the
+        offset as dynamic_slice takes a start), as the PyTorch ops and the oracle do, then narrow to int32: a
+        bare cast wrapped 2**32 + 2 to 2 and 2**32 to offset 0 (issue 63)."""
+        M, K, N, G_local = 8, 16, 12, 2
+        with jax.enable_x64(True):
+            x, w, b = randn(0, (M, K), F32), randn(1, (3, K, N), F32), randn(2, (M, N), F32)
+            gs = jnp.asarray(sizes, jnp.int64)
+            assert gs.dtype == jnp.int64
+            out = jax.jit(self.ragged_dot)(x, w, gs)
+            assert_close(out, oracle.m_grouped_mm(x, w, sizes), F32, "ragged_dot")
+            out = api.m_grouped_mm(x, jnp.swapaxes(w, 1, 2), gs, transpose_w=True, backend=self.BACKEND)
+            assert_close(out, oracle.m_grouped_mm(x, w, sizes), F32, "m_grouped_mm")
+            dw = api.k_grouped_mm(x, b, gs, backend=self.BACKEND)
+            assert_close(dw, oracle.k_grouped_mm(x, b, sizes), F32, "k_grouped_mm")
+            out = self.ragged_dot(x, w[:G_local], gs, group_offset=jnp.int64(offset))
+        effective = 3 - G_local if offset > 0 else 0
+        w_full = np.zeros((3, K, N))
+        w_full[effective : effective + G_local] = f64(w[:G_local])
+        assert_close(out, oracle.m_grouped_mm(x, w_full, sizes), F32, f"group_offset={offset}")
+
     def test_group_offset_moves_no_rows(self):
         """The expert-parallel path (forward, dx, dW) is kernel launches only: no roll, slice or
         concatenation of the [M, K] / [M, N] rows around them (each would be a pass over HBM)."""
@@ -821,6 +847,15 @@ class JaxFp8Test:
                 x_q, w_q, jnp.asarray(bad, jnp.int32), out_dtype=jnp.float32, backend=self.BACKEND
             )
             assert relerr(out, grouped(x_q.dequantize(), w_q.dequantize(), clamped, M)) <= self.exact
+        with jax.enable_x64(
+            True
+        ):  # int64 sizes clamp before the int32 cast (2**32 + 2 wrapped to 2; issue 63)
+            gs = jnp.asarray([2**32 + 2, -(2**32) + 1, 3], jnp.int64)
+            x_q = self.q(x, "rowwise", group_sizes=gs)
+            np.testing.assert_array_equal(x_q.group_sizes, [M, 0, 3])
+            w_q = self.q(jnp.swapaxes(w, 1, 2), "rowwise")
+            out = mj.m_grouped_mm(x_q, w_q, gs, out_dtype=jnp.float32, backend=self.BACKEND)
+        assert relerr(out, grouped(x_q.dequantize(), w_q.dequantize(), [M, 0, 0], M)) <= self.exact
 
     @pytest.mark.parametrize("recipe", RECIPES)
     def test_ragged_dot_fp8_values_and_grads_under_jit(self, recipe):

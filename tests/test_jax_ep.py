@@ -1,7 +1,8 @@
 """JAX expert parallelism: ``moegemm.jax.moe_experts(..., ep_axis=...)`` under ``jax.shard_map`` against the
 single-device block with all E experts on the concatenated tokens, forward and the gradients of x, topk_weights,
 w13 and w2 (docs/design.md, 'Expert parallelism'); the local step's ``expert_base`` (routing, the fused block
-and the reference twin, Python int and traced); the Flax ``MoE(ep_axis=...)``; bad input.
+and the reference twin, Python int and traced); the Flax ``MoE(ep_axis=...)``; no tokens (T = 0); bad
+input.
 
 Several devices need XLA host devices, fixed before jax starts: those checks run this file as a child process
 (``_worker``) with XLA_FLAGS=--xla_force_host_platform_device_count=P and TRITON_INTERPRET=1, the "interpret"
@@ -145,6 +146,43 @@ def _flax_worker(mesh, P: int, E_local: int) -> None:
     print(f"ok P={P} flax", flush=True)
 
 
+def _no_tokens_worker(P: int) -> None:
+    """T = 0 tokens per device (allowed, as on one device): out [0, d], gradients of x and topk_weights empty,
+    of w13 and w2 exact zeros, eager and jitted, on both backends; the Flax MoE(ep_axis) on no tokens."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as Spec
+
+    import moegemm.jax as mj
+    from moegemm.jax.moe_layer import MoE
+
+    mesh = Mesh(np.array(jax.devices()), ("ep",))
+    x, ids, weights, w13, w2 = make(0, 32, 16, 2 * P, 2)
+    for backend in ("interpret", "reference"):
+        ep = jax.shard_map(
+            lambda *a, backend=backend: mj.moe_experts(*a, backend=backend, ep_axis="ep"),
+            mesh=mesh,
+            in_specs=(Spec("ep"),) * 5,
+            out_specs=Spec("ep"),
+        )
+        for jit in (False, True):
+            got = jax.block_until_ready(grads(ep, (x, ids, weights, w13, w2), np.zeros_like(x), jit=jit))
+            for what, a, shape in zip(NAMES, got, (x.shape, x.shape, ids.shape, w13.shape, w2.shape)):
+                assert a.shape == shape and a.dtype == np.float32, f"{backend} {what}: {a.dtype} {a.shape}"
+            assert not np.asarray(got[3]).any() and not np.asarray(got[4]).any(), f"{backend}: nonzero dw"
+            print(f"ok P={P} {backend} jit={jit} T=0", flush=True)
+    kw = dict(hidden_dim=8, num_experts=2 * P, top_k=2, load_balance=None, backend="reference")
+    params = MoE(**kw).init(jax.random.PRNGKey(0), np.ones((P, 16), np.float32))
+    specs = jax.tree_util.tree_map_with_path(
+        lambda path, _: Spec("ep") if path[-1].key in ("w13", "w2") else Spec(), params
+    )
+    model = MoE(**kw, ep_axis="ep")
+    out = jax.shard_map(
+        lambda p, x: model.apply(p, x), mesh=mesh, in_specs=(specs, Spec("ep")), out_specs=Spec("ep")
+    )(params, np.zeros((0, 16), np.float32))
+    assert out.shape == (0, 16), out.shape
+    print(f"ok P={P} flax T=0", flush=True)
+
+
 def _spawn(P: int, backends: str, jit: bool, cases: int, T_r: int = 4, E_local: int = 2):
     env = dict(os.environ)
     env.update(
@@ -168,6 +206,13 @@ def test_ep_matches_single_device(P, backends, jit, cases):
     Jitted: eager shard_map under the interpreter costs a minute a case (eager EP runs at P = 1 below)."""
     out = _spawn(P, backends, jit, cases)
     assert out.count("ok ") == cases * len(backends.split(",")) + ("reference" in backends), out
+
+
+def test_ep_with_no_tokens():
+    """T = 0 tokens per device under shard_map over P = 2 host devices (issue 63: the all_gather and
+    psum_scatter over an empty dimension failed to lower)."""
+    out = _spawn(2, "no-tokens", False, 0)
+    assert out.count("ok ") == 5, out
 
 
 # ---------------------------------------------------------------- one device: expert_base and errors
@@ -254,4 +299,6 @@ def test_ep_on_one_device_and_bad_input():
 
 if __name__ == "__main__":
     P, backends, T_r, d, n, E_local, jit, cases = sys.argv[1:]
+    if backends == "no-tokens":
+        sys.exit(_no_tokens_worker(int(P)))
     _worker(int(P), backends.split(","), int(T_r), int(d), int(n), int(E_local), bool(int(jit)), int(cases))

@@ -189,6 +189,16 @@ class MoeExpertsTest:
             assert_close(a, b, F32_TOL, f"clamped {name}")
         assert_close(got[0], oracle.moe_experts(x, ids, weights, w13, w2), F32_TOL, "out vs oracle")
 
+    def test_int64_ids_clamp_before_the_int32_cast(self):
+        """Under jax_enable_x64, int64 ids past int32 clamp in int64 (2**32 + 1 -> E - 1, not 1), as the PyTorch
+        op clamps them (issue 63)."""
+        x, ids, weights, w13, w2 = make(6, 16, 8, 4, 2, seed=8)
+        wide = ids.astype(np.int64)
+        wide[0, 0], wide[2, 1], wide[4, 0] = 2**32 + 1, -(2**32) + 2, 2**40
+        with jax.enable_x64(True):
+            got = self.block(x, jnp.asarray(wide), weights, w13, w2)
+        assert_close(got, self.block(x, np.clip(wide, 0, 3).astype(np.int32), weights, w13, w2), 0.0, "ids")
+
     def test_bf16_within_bf16_tolerance(self):
         args = make(16, 48, 32, 4, 2, seed=7)
         bf16 = tuple(a if a.dtype == np.int32 else jnp.asarray(a, jnp.bfloat16) for a in args)
@@ -295,6 +305,7 @@ def test_routing_metadata_is_a_permutation_under_jit():
 
 nn = pytest.importorskip("flax.linen", reason="flax is an optional dependency of moegemm.jax")
 moe_layer = pytest.importorskip("moegemm.jax.moe_layer")
+ScopeParamShapeError = pytest.importorskip("flax.errors").ScopeParamShapeError
 
 
 def _flax_oracle(params, x, top_k, **router_kw):
@@ -371,6 +382,15 @@ def test_flax_expert_bias_counts_and_update():
     biased = {**variables, "moe_state": {**state, "expert_bias": jnp.array([0, 0, 0, 10.0])}}
     _, counted = moe.apply(biased, x, train=True, mutable=["moe_state"])
     assert counted["moe_state"]["tokens_per_expert"][3] == 10
+
+
+def test_flax_input_of_another_dim_raises():
+    """The Flax MoE takes dim from x, so x [4, 32] on parameters built for dim 16 meets flax's parameter shape
+    check (the PyTorch MoE needed its own check: issue 63)."""
+    moe = moe_layer.MoE(16, 4, 2, backend="reference")
+    variables = moe.init(jax.random.key(3), np.zeros((4, 16), np.float32))
+    with pytest.raises(ScopeParamShapeError, match=r"\(32, 4\).*\(16, 4\)"):
+        moe.apply(variables, np.zeros((4, 32), np.float32))
 
 
 def test_flax_bad_options_raise():

@@ -21,9 +21,12 @@ from moegemm.torch import Fp8WeightCache, MoE, moe_experts
 RECIPES = ["tensorwise", "rowwise", "blockwise"]
 NAMES = ("out", "dx", "dweights", "dw13", "dw2")
 # Against the fp64 oracle of the unquantized block: every output passes through four e4m3 roundings (x, w13, h, w2;
-# the gradients through as many), each about 2^-4 / sqrt(3) ~ 3.6% RMS on a value, ~6-7% together (measured on
-# CPU); a wrong scale, column or expert gives errors of order 1.
-ORACLE_TOL = 1.2e-1
+# the gradients through as many), each about 2^-4 / sqrt(3) ~ 3.6% RMS on a value, ~6-7% together. Measured on CPU
+# (2026-12, interpreter kernels and twins, this file's cases): out, dx, dw13, dw2 0.054-0.068 (max 0.0679), set at
+# 1.3x that; dweights, a few dozen values here, 0.055-0.078 (max 0.0784), 1.3x. The activations (x, h, dy, dz)
+# rounded to e5m2 in place of e4m3 give 0.091-0.117 and fail every case (0.12 passed them all); a wrong scale,
+# column or expert gives errors of order 1.
+ORACLE_TOL = dict.fromkeys(NAMES, 8.8e-2) | {"dweights": 1.02e-1}
 # Kernels against their twins (the same quantization points): a z or dh an ulp apart (the interpreter truncates its
 # fp32 -> bf16 casts; on a GPU the tensor cores accumulate differently, and the split form rounds dh to bf16) flips
 # an FP8 byte of the next operand now and then: 1-3% measured on CPU and on the H100.
@@ -60,10 +63,10 @@ def check_block(recipe, args, seed=0):
         assert relerr(a.cpu(), t.cpu()) <= TWIN_TOL, (
             f"{recipe} {name}: kernels vs twins {relerr(a.cpu(), t.cpu()):.2e}"
         )
-        assert relerr(t.cpu(), w) <= ORACLE_TOL, (
+        assert relerr(t.cpu(), w) <= ORACLE_TOL[name], (
             f"{recipe} {name}: twins vs fp64 oracle {relerr(t.cpu(), w):.2e}"
         )
-        assert relerr(a.cpu(), w) <= ORACLE_TOL, (
+        assert relerr(a.cpu(), w) <= ORACLE_TOL[name], (
             f"{recipe} {name}: kernels vs fp64 oracle {relerr(a.cpu(), w):.2e}"
         )
     return got
@@ -200,7 +203,7 @@ def test_fp8_bad_recipe_and_expert_parallel_raise():
 
 def test_fp8_block_compile_fullgraph_equals_eager():
     args = make(12, 128, 64, 3, 2, seed=5)
-    dout = torch.randn(args[0].shape).to(DEVICE, args[0].dtype)
+    dout = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(105)).to(DEVICE, args[0].dtype)
     x, ids, weights, w13, w2 = args
     leaves = [t.clone().requires_grad_() for t in (x, weights, w13, w2)]
 
@@ -211,8 +214,12 @@ def test_fp8_block_compile_fullgraph_equals_eager():
     out = compiled(*leaves)
     got = (out.detach(), *torch.autograd.grad(out, leaves, dout))
     eager = run("reference", "rowwise", *args, dout)
-    for name, a, b in zip(NAMES, got, eager):
+    for name, a, b, w in zip(NAMES, got, eager, fp64_grads(*args, dout)):
         assert torch.equal(a, b), f"compiled {name} differs from eager"
+        # The eager twin is the compiled one's source: the fp64 oracle is the independent check of the values.
+        assert relerr(a.cpu(), w) <= ORACLE_TOL[name], (
+            f"compiled {name} vs fp64 oracle {relerr(a.cpu(), w):.2e}"
+        )
 
 
 @needs_cuda

@@ -6,6 +6,8 @@ module (which runs topk/gather/masked_fill and moe_experts). The module runs in 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -237,6 +239,15 @@ def test_empty_input_and_shape():
     assert out.shape == (0, D)
     assert torch.isfinite(moe.aux_loss)
     assert moe(torch.randn(3, 1, 2, D)).shape == (3, 1, 2, D)
+
+
+@pytest.mark.parametrize("shape", [(4, 2 * D), (3, 2, D // 2), (D + 1,)], ids=str)
+def test_input_of_another_dim_raises(shape):
+    """x [..., d'] with d' != dim raises naming both (issue 63): x [4, 2 * dim] reshaped to [8, dim] ran as 8
+    tokens and came back [4, 2 * dim]."""
+    moe = make_moe()
+    with pytest.raises(ValueError, match=rf"x\.shape={re.escape(str(shape))}.*dim={D}"):
+        moe(torch.randn(shape))
 
 
 def test_init_weights():

@@ -78,7 +78,18 @@ def _float_dtype(name: str, dtype) -> jnp.dtype:
     return dtype
 
 
-def _group_sizes(group_sizes, G: int | None) -> jax.Array:
+def _to_int32(values: jax.Array, lo: int, hi: int) -> jax.Array:
+    """Integer ``values`` as int32, clamped to [lo, hi] first when their dtype is wider than int32 (int64
+    under jax_enable_x64, uint32): a bare cast wraps 2**32 + 2 to 2. Narrower dtypes are cast as they are
+    and clamped downstream by the same rule."""
+    info, i32 = jnp.iinfo(values.dtype), jnp.iinfo(jnp.int32)
+    if info.min < i32.min or info.max > i32.max:
+        values = jnp.clip(values, max(lo, info.min), min(hi, info.max))
+    return values.astype(jnp.int32)
+
+
+def _group_sizes(group_sizes, G: int | None, M: int) -> jax.Array:
+    """group_sizes [G] as int32, clamped to [0, M] (the kernels' rule) before the cast."""
     group_sizes = jnp.asarray(group_sizes)
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(f"group_sizes must be an integer array, got {group_sizes.dtype}")
@@ -86,7 +97,7 @@ def _group_sizes(group_sizes, G: int | None) -> jax.Array:
         raise ValueError(f"group_sizes must be 1-D [G], got shape {group_sizes.shape}")
     if G is not None and group_sizes.shape[0] != G:
         raise ValueError(f"group_sizes has {group_sizes.shape[0]} entries but the weight has G={G} groups")
-    return group_sizes.astype(jnp.int32)
+    return _to_int32(group_sizes, 0, M)
 
 
 def _group_offset(group_offset, G_local: int, G_total: int) -> jax.Array | None:
@@ -100,7 +111,8 @@ def _group_offset(group_offset, G_local: int, G_total: int) -> jax.Array | None:
         )
     if G_local > G_total:
         raise ValueError(f"group_sizes has {G_total} entries, fewer than the {G_local} local groups")
-    return group_offset.reshape(()).astype(jnp.int32)
+    # [-G_total, G_total] keeps the rule's result (negative counts from the end, then [0, G_total - G_local]).
+    return _to_int32(group_offset.reshape(()), -G_total, G_total)
 
 
 def _local_groups(group_offset, num_groups: int | None, G_total: int) -> tuple[int, jax.Array | None]:
@@ -241,7 +253,7 @@ def quantize_fp8(
         return Fp8Array(*parts, None, recipe)
     if x.ndim != 2:
         raise ValueError(f"quantize_fp8 takes activations [M, K] or a weight [G, N, K], got shape {x.shape}")
-    sizes = None if group_sizes is None else _group_sizes(group_sizes, None)
+    sizes = None if group_sizes is None else _group_sizes(group_sizes, None, x.shape[0])
     parts = _ops.quantize_activation(x, sizes, recipe, dtype, transpose, executor)
     return Fp8Array(*parts, sizes, recipe)
 
@@ -317,7 +329,7 @@ def ragged_dot(
             f"rhs {rhs.shape}"
         )
     G = rhs.shape[0]
-    group_sizes = _group_sizes(group_sizes, None if group_offset is not None else G)
+    group_sizes = _group_sizes(group_sizes, None if group_offset is not None else G, lhs.shape[0])
     group_offset = _group_offset(group_offset, G, group_sizes.shape[0])
     executor = _executor(backend)
     if rhs_fp8 is not None and fp8_recipe is None:
@@ -413,7 +425,7 @@ def m_grouped_mm(
             f"m_grouped_mm expects x [M, K] and w {layout} with matching K; got x {x.shape}, w {w.shape}"
         )
     out_dtype = _float_dtype("out_dtype", dtype if out_dtype is None else out_dtype)
-    group_sizes = _group_sizes(group_sizes, None if group_offset is not None else w.shape[0])
+    group_sizes = _group_sizes(group_sizes, None if group_offset is not None else w.shape[0], x.shape[0])
     group_offset = _group_offset(group_offset, w.shape[0], group_sizes.shape[0])
     executor = _executor(backend)
     if executor is None:
@@ -446,7 +458,7 @@ def _m_grouped_mm_fp8(x_q, w_q, group_sizes, transpose_w, out_dtype, group_offse
             "[G, N, K] differ in K"
         )
     G = w_data.shape[0]
-    sizes = _group_sizes(group_sizes, None if group_offset is not None else G)
+    sizes = _group_sizes(group_sizes, None if group_offset is not None else G, x_q.shape[0])
     offset = _group_offset(group_offset, G, sizes.shape[0])
     if x_q.recipe == "tensorwise" and x_q.scale.size not in (1, sizes.shape[0]):
         raise ValueError(
@@ -503,7 +515,7 @@ def k_grouped_mm(
         raise ValueError(
             f"k_grouped_mm expects a [M, K] and b [M, N] with the same M; got a {a.shape}, b {b.shape}"
         )
-    group_sizes = _group_sizes(group_sizes, None)
+    group_sizes = _group_sizes(group_sizes, None, a.shape[0])
     num_groups, group_offset = _local_groups(group_offset, num_groups, group_sizes.shape[0])
     G, K, N = num_groups, a.shape[1], b.shape[1]
     out_dtype = _float_dtype("out_dtype", out_dtype)
@@ -534,7 +546,9 @@ def _k_grouped_mm_fp8(
             "k_grouped_mm: quantize a and b with the same group_sizes (their transposed copies are laid out "
             "group by group)"
         )
-    sizes = _group_sizes(a_q.group_sizes if group_sizes is None else group_sizes, a_q.group_sizes.shape[0])
+    sizes = _group_sizes(
+        a_q.group_sizes if group_sizes is None else group_sizes, a_q.group_sizes.shape[0], a_q.shape[0]
+    )
     num_groups, offset = _local_groups(group_offset, num_groups, sizes.shape[0])
     M, K, N = a_q.shape[0], a_q.shape[1], b_q.shape[1]
     out_dtype = _float_dtype("out_dtype", out_dtype)

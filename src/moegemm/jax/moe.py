@@ -118,4 +118,8 @@ def moe_experts(
 
     if ep_axis is None:
         return block(x, topk_ids, topk_weights, w13, w2)
+    if x.shape[0] == 0:
+        # T = 0: nothing to route, and XLA cannot lower all_gather or psum_scatter over an empty dimension.
+        # Every device has the same static T under shard_map, so all of them skip the collectives alike.
+        return jnp.zeros_like(x)
     return _ep.moe_experts(x, topk_ids, topk_weights, w13, w2, ep_axis, block)

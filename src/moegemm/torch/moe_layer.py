@@ -242,6 +242,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        # Checked here: x.reshape(-1, dim) would otherwise take x [4, 32] at dim=16 as 8 tokens.
+        if x.dim() == 0 or shape[-1] != self.dim:
+            raise ValueError(f"MoE: x.shape={tuple(shape)} must end in the module's dim={self.dim}")
         x2d = x.reshape(-1, self.dim)
         topk_weights, topk_ids, scores = self.router(x2d, self.expert_bias)
         # Counted with a scatter-add of ones into E bins: stays on the device (bincount would sync on CUDA).
