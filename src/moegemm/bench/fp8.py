@@ -566,7 +566,10 @@ class Fp8Bench:
                                 "peak_mb_produced_input": peaks.get(recipe, (None, None))[1],
                             }
                         )
-                del trainers, batches
+                # The last m's step closures hold the trainers too: without them, a seed's four trainers (their
+                # fp32 masters and AdamW states, 19 GB each on dsv3-ep8-fc1 main_grad) outlived it, and the next
+                # seed's inputs ran out of an H100's memory.
+                del trainers, batches, steps
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
         self.extra["grouped_linear_step"].extend(records)
@@ -620,8 +623,9 @@ class StepTrainer:
     mode "grad": autograd accumulates weight.grad and bias.grad in bf16; AdamW updates the bf16 parameters
     in place. mode "main_grad" (Megatron): ``fuse_wgrad_accumulation`` accumulates the weight gradient into
     an fp32 ``weight.main_grad``; AdamW updates fp32 master copies, which are copied into the bf16
-    parameters. Either way the update writes the weight in place, which bumps ``weight._version``, so the
-    next forward of an FP8 layer quantizes the new weight (``Fp8WeightCache``): once per optimizer step.
+    parameters. The next forward of an FP8 layer quantizes the new weight (``Fp8WeightCache``: the optimizer
+    step count is in its key, since the fused AdamW of mode "grad" leaves ``weight._version`` alone): once per
+    optimizer step.
     """
 
     def __init__(self, recipe: str, mode: str, w0, b0, batches, gs, backend: str = "auto") -> None:
