@@ -299,12 +299,14 @@ def summary(records: list[dict]) -> dict:
     }
 
 
-def _over_seeds(mine: list[dict], field: str) -> list[float]:
-    """``field`` of each (case, op): the median over the run's seeds of the records that have it."""
+def _over_seeds(mine: list[dict], value) -> list[float]:
+    """``value(record)`` of each (case, op): the median over the run's seeds of the records where it is not None
+    (``value`` a field name, or a function of the record)."""
+    get = value if callable(value) else (lambda r: r.get(value))
     by_key: dict = {}
     for r in mine:
-        if r.get(field) is not None:
-            by_key.setdefault((r["case"], r["op"]), []).append(r[field])
+        if get(r) is not None:
+            by_key.setdefault((r["case"], r["op"]), []).append(get(r))
     return [statistics.median(v) for _, v in sorted(by_key.items())]
 
 
@@ -313,9 +315,7 @@ def _counts(records: list[dict]) -> dict:
     ratios = _over_seeds(mine, "vs_torch")
     keys = {(r["case"], r["op"]) for r in records}
     both = [r for r in mine if r["vs_torch"] is not None]
-    device_ratios = _over_seeds(
-        [{**r, "dv": (r.get("device_speedup") or {}).get(TORCH_PEER)} for r in mine], "dv"
-    )
+    device_ratios = _over_seeds(mine, lambda r: (r.get("device_speedup") or {}).get(TORCH_PEER))
     return {
         "case_ops": len(keys),
         "moegemm_ok": len(mine),
