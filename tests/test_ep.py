@@ -41,6 +41,9 @@ def _worker(rank, P, port, fn, args, backend="gloo"):
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=P)
     try:
         fn(rank, P, *args)
+        # Every rank past its last collective before any tears gloo down: a rank that exited first once
+        # aborted its peer ("terminate called without an active exception", SIGABRT) in CI's second leg.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
